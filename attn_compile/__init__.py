@@ -1,0 +1,6 @@
+"""attn_compile: a torch.compile backend ("attn_cp") that rewrites attention into fused,
+context-parallel ops. ``torch.compile(model, backend="attn_cp")`` needs no import of this package."""
+from . import ops  # registers torch.ops.attn_cp.*
+from .explain import Report, explain
+
+__all__ = ["explain", "Report", "ops"]

@@ -1,0 +1,1 @@
+"""Context parallel runtime."""

@@ -1,0 +1,72 @@
+"""``torch.ops.attn_cp.attention``: the op every rewritten attention site calls.
+
+Layout is SDPA's (B, H, S, D). It returns ``(out, lse)`` with ``out`` of shape
+``(*q.shape[:-1], v.shape[-1])`` (h_q heads, d_v dims: GQA and MLA at once) and ``lse`` of
+shape (B, h_q, S_q), float32. The LSE is for merging partial results and is not
+differentiable. Kernel choice happens below, in ``attn_compile.kernels.dispatch``.
+"""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .kernels import attention_backward as _kernel_backward
+from .kernels import attention_forward as _kernel_forward
+from .kernels.reference import lse_dtype
+from .validation import check_attention_args
+
+
+def default_scale(q: Tensor, scale: Optional[float]) -> float:
+    return q.shape[-1] ** -0.5 if scale is None else scale
+
+
+@torch.library.custom_op("attn_cp::attention", mutates_args=())
+def attention(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False,
+    scale: Optional[float] = None, window_left: int = -1, window_right: int = -1,
+) -> tuple[Tensor, Tensor]:
+    window = (window_left, window_right)
+    check_attention_args(q, k, v, attn_mask, window)
+    out, lse = _kernel_forward(q, k, v, scale=default_scale(q, scale), is_causal=is_causal, window=window,
+                               attn_mask=attn_mask)
+    return out.contiguous(), lse.contiguous()
+
+
+@attention.register_fake
+def _(q, k, v, attn_mask=None, is_causal=False, scale=None, window_left=-1, window_right=-1):
+    check_attention_args(q, k, v, attn_mask, (window_left, window_right))
+    return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
+
+
+@torch.library.custom_op("attn_cp::attention_backward", mutates_args=())
+def attention_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, attn_mask: Optional[Tensor],
+    is_causal: bool, scale: Optional[float], window_left: int, window_right: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    grads = _kernel_backward(dout, q, k, v, out, lse, scale=default_scale(q, scale), is_causal=is_causal,
+                             window=(window_left, window_right), attn_mask=attn_mask)
+    return tuple(g.contiguous() for g in grads)
+
+
+@attention_backward.register_fake
+def _(dout, q, k, v, out, lse, attn_mask, is_causal, scale, window_left, window_right):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, attn_mask, is_causal, scale, window_left, window_right = inputs
+    if attn_mask is not None and attn_mask.requires_grad:
+        raise ValueError("attn_mask must not require grad: attn_cp.attention does not differentiate the mask")
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask)
+    ctx.flags = (is_causal, scale, window_left, window_right)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, attn_mask = ctx.saved_tensors
+    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, attn_mask, *ctx.flags)
+    return dq, dk, dv, None, None, None, None, None
+
+
+attention.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,4 @@
+"""Attention kernels: the pure-PyTorch reference and the fused aten kernels, behind one dispatch."""
+from .dispatch import attention_backward, attention_forward, select_kernel
+
+__all__ = ["attention_forward", "attention_backward", "select_kernel"]

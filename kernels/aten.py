@@ -1,0 +1,107 @@
+"""PyTorch's fused CUDA attention kernels that return the LSE: cuDNN, flash (FA2) and efficient.
+
+Each is used only through ``supports``: a kernel is never handed a shape or an argument it
+cannot take. None of them takes a window or position offsets, so those always go elsewhere.
+"""
+import torch
+
+from .problem import Problem
+
+aten = torch.ops.aten
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _plain(p: Problem) -> bool:
+    """What all three need: CUDA, no window, no offsets, and causal only when square."""
+    return (
+        p.device_type == "cuda"
+        and not p.windowed
+        and not p.offset
+        and not p.has_mask
+        and (not p.is_causal or p.s_q == p.s_k)
+        and p.d_qk % 8 == 0
+        and p.d_v % 8 == 0
+    )
+
+
+def _sm() -> tuple[int, int]:
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
+
+
+def _like(x: torch.Tensor, layout: torch.Tensor) -> torch.Tensor:
+    """x copied into layout's strides: the backward kernels expect dout laid out like out."""
+    return x if x.stride() == layout.stride() else torch.empty_like(layout).copy_(x)
+
+
+class Cudnn:
+    name = "cudnn"
+
+    @staticmethod
+    def supports(p: Problem) -> bool:
+        return (
+            _plain(p) and p.dtype in _HALF and p.d_qk <= 256 and p.d_v <= 256
+            and _sm() >= (9, 0) and torch.backends.cuda.cudnn_sdp_enabled()
+        )
+
+    @staticmethod
+    def forward(q, k, v, scale, is_causal):
+        out, lse, *_ = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, is_causal, False, scale=scale)
+        return out, lse.reshape(q.shape[:-1])
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, scale, is_causal):
+        empty = q.new_empty(0)
+        lse = lse.reshape(*q.shape[:-1], 1).contiguous()
+        s_q, s_k = q.shape[2], k.shape[2]
+        return aten._scaled_dot_product_cudnn_attention_backward(
+            _like(dout, out), q, k, v, out, lse, empty, empty, None, empty, empty, s_q, s_k, 0.0, is_causal, scale=scale
+        )
+
+
+class Flash:
+    name = "flash"
+
+    @staticmethod
+    def supports(p: Problem) -> bool:
+        return (
+            _plain(p) and p.dtype in _HALF and p.h_q == p.h_kv and p.d_qk == p.d_v and p.d_qk <= 256
+            and _sm() >= (8, 0) and torch.backends.cuda.flash_sdp_enabled()
+        )
+
+    @staticmethod
+    def forward(q, k, v, scale, is_causal):
+        out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
+        return out, lse
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, scale, is_causal):
+        empty = q.new_empty(0)
+        return aten._scaled_dot_product_flash_attention_backward(
+            _like(dout, out), q, k, v, out, lse.contiguous(), empty, empty, q.shape[2], k.shape[2], 0.0, is_causal,
+            empty, empty, scale=scale,
+        )
+
+
+class Efficient:
+    name = "efficient"
+
+    @staticmethod
+    def supports(p: Problem) -> bool:
+        return (
+            _plain(p) and p.dtype in (*_HALF, torch.float32) and p.h_q == p.h_kv
+            and _sm() >= (5, 0) and torch.backends.cuda.mem_efficient_sdp_enabled()
+        )
+
+    @staticmethod
+    def forward(q, k, v, scale, is_causal):
+        out, lse, _, _ = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, is_causal, scale=scale)
+        return out, lse[..., : q.shape[2]]
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, scale, is_causal):
+        empty = q.new_empty(0)
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            _like(dout, out), q, k, v, None, out, lse.contiguous(), empty, empty, 0.0, [True, True, True, False],
+            is_causal, scale=scale,
+        )
+        return dq, dk, dv

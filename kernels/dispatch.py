@@ -1,0 +1,45 @@
+"""The one place that decides which kernel runs an attention call.
+
+The choice depends only on the call's metadata (see ``Problem``), so forward and backward,
+every rank, and ``explain`` all agree on it. The fused aten kernels are tried in order of
+measured speed (../shared/BASELINES.md: cuDNN > flash > efficient on H100); the reference
+takes everything else.
+
+Mask arguments, shared by every function here: ``is_causal`` (key j visible to query i when
+j <= i), ``window=(left, right)`` (i-left <= j <= i+right, -1 unbounded), ``attn_mask`` (bool,
+True = visible, or additive), and the global positions ``q_offset + i`` / ``k_offset + j``.
+"""
+from . import reference
+from .aten import Cudnn, Efficient, Flash
+from .problem import Problem
+
+FUSED = (Cudnn, Flash, Efficient)
+REFERENCE = "reference"
+
+
+def _fused_kernel(q, k, v, masking):
+    problem = Problem.of(q, k, v, **masking)
+    return next((kernel for kernel in FUSED if kernel.supports(problem)), None)
+
+
+def select_kernel(q, k, v, **masking) -> str:
+    """Name of the kernel that runs this call: 'cudnn', 'flash', 'efficient' or 'reference'."""
+    kernel = _fused_kernel(q, k, v, masking)
+    return kernel.name if kernel else REFERENCE
+
+
+def attention_forward(q, k, v, *, scale, **masking):
+    """(out, lse): out (B, h_q, S_q, d_v) in q's dtype, lse (B, h_q, S_q) float32 (float64 for float64 q)."""
+    kernel = _fused_kernel(q, k, v, masking)
+    if kernel is not None:
+        return kernel.forward(q, k, v, scale, masking.get("is_causal", False))
+    return reference.attention_forward(q, k, v, scale=scale, **masking)
+
+
+def attention_backward(dout, q, k, v, out, lse, *, scale, **masking):
+    """(dq, dk, dv). ``out`` and ``lse`` may be the merged result of several calls (ring steps):
+    the gradients are then this call's share."""
+    kernel = _fused_kernel(q, k, v, masking)
+    if kernel is not None:
+        return kernel.backward(dout, q, k, v, out, lse, scale, masking.get("is_causal", False))
+    return reference.attention_backward(dout, q, k, v, out, lse, scale=scale, **masking)

@@ -1,0 +1,29 @@
+"""The facts about one attention call that decide which kernel may run it."""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Problem:
+    device_type: str
+    dtype: torch.dtype
+    h_q: int
+    h_kv: int
+    s_q: int
+    s_k: int
+    d_qk: int
+    d_v: int
+    is_causal: bool
+    windowed: bool
+    has_mask: bool
+    offset: bool  # query and key positions differ, and a causal or window mask depends on it
+
+    @classmethod
+    def of(cls, q, k, v, *, is_causal=False, window=(-1, -1), attn_mask=None, q_offset=0, k_offset=0):
+        return cls(
+            device_type=q.device.type, dtype=q.dtype,
+            h_q=q.shape[1], h_kv=k.shape[1], s_q=q.shape[2], s_k=k.shape[2], d_qk=q.shape[-1], d_v=v.shape[-1],
+            is_causal=bool(is_causal), windowed=tuple(window) != (-1, -1), has_mask=attn_mask is not None,
+            offset=(bool(is_causal) or tuple(window) != (-1, -1)) and q_offset != k_offset,
+        )

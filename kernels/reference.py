@@ -1,0 +1,110 @@
+"""Pure-PyTorch blockwise attention: online softmax over key blocks, fp32 (or fp64) accumulation.
+
+It runs on any device and is both the CPU path and the oracle the fused kernels are checked
+against. GQA is native: the h_q/h_kv query heads of a group are stacked along the row axis,
+so every key block is read once per group and never repeated. d_qk and d_v are independent.
+Rows that see no key produce output 0 and LSE -inf, and zero gradients.
+"""
+import torch
+
+from .visibility import Visibility, classify, effective_window, visible
+
+BLOCK = 256
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The LSE is float32, except for float64 inputs, where it keeps the oracle's precision."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _grouped(x: torch.Tensor, h_kv: int, acc: torch.dtype) -> torch.Tensor:
+    """(B, h_q, S, D) -> (B, h_kv, g*S, D): the query heads of one KV head stacked as rows."""
+    b, h, s, d = x.shape
+    return x.to(acc).reshape(b, h_kv, (h // h_kv) * s, d)
+
+
+class _Blocks:
+    """Shared by forward and backward: the key blocks to visit and the scores of each."""
+
+    def __init__(self, q, k, scale, is_causal, window, attn_mask, q_offset, k_offset):
+        self.b, self.h_q, self.s_q, _ = q.shape
+        self.h_kv, self.s_k = k.shape[1], k.shape[2]
+        self.g = self.h_q // self.h_kv
+        self.acc = lse_dtype(q.dtype)
+        self.scale = scale
+        self.left, self.right = effective_window(is_causal, window)
+        self.q_offset, self.k_offset = q_offset, k_offset
+        self.q_pos = torch.arange(self.s_q, device=q.device) + q_offset
+        self.mask = None
+        if attn_mask is not None:
+            self.mask = attn_mask.expand(self.b, self.h_q, self.s_q, self.s_k).unflatten(1, (self.h_kv, self.g))
+
+    def __iter__(self):
+        for start in range(0, self.s_k, BLOCK):
+            end = min(start + BLOCK, self.s_k)
+            vis = classify(self.q_offset, self.s_q, self.k_offset + start, end - start, self.left, self.right)
+            if vis is not Visibility.NONE:
+                yield start, end, vis
+
+    def scores(self, q_rows, k_blk, start, end, vis):
+        """Scaled, masked scores (B, h_kv, g, S_q, blk) in the accumulation dtype."""
+        s = (q_rows @ k_blk.transpose(-1, -2)).unflatten(2, (self.g, self.s_q)) * self.scale
+        if self.mask is not None:
+            m = self.mask[..., start:end]
+            s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.to(self.acc)
+        if vis is Visibility.PARTIAL:
+            k_pos = torch.arange(start, end, device=s.device) + self.k_offset
+            s = s.masked_fill(~visible(self.q_pos, k_pos, self.left, self.right), float("-inf"))
+        return s
+
+
+def attention_forward(q, k, v, *, scale, is_causal=False, window=(-1, -1), attn_mask=None, q_offset=0, k_offset=0):
+    """Returns (out (B, h_q, S_q, d_v) in q's dtype, lse (B, h_q, S_q) float32)."""
+    blocks = _Blocks(q, k, scale, is_causal, window, attn_mask, q_offset, k_offset)
+    b, h_kv, g, s_q = blocks.b, blocks.h_kv, blocks.g, blocks.s_q
+    acc = blocks.acc
+    q_rows = _grouped(q, h_kv, acc)
+    row_max = q.new_full((b, h_kv, g, s_q), float("-inf"), dtype=acc)
+    row_sum = q.new_zeros((b, h_kv, g, s_q), dtype=acc)
+    out = q.new_zeros((b, h_kv, g, s_q, v.shape[-1]), dtype=acc)
+    for start, end, vis in blocks:
+        s = blocks.scores(q_rows, k[:, :, start:end].to(acc), start, end, vis)
+        new_max = torch.maximum(row_max, s.amax(-1))
+        shift = torch.where(new_max == float("-inf"), 0.0, new_max)
+        p = torch.exp(s - shift[..., None])
+        rescale = torch.exp(row_max - shift)
+        row_sum = row_sum * rescale + p.sum(-1)
+        pv = p.flatten(2, 3) @ v[:, :, start:end].to(acc)
+        out = out * rescale[..., None] + pv.unflatten(2, (g, s_q))
+        row_max = new_max
+    seen = row_sum > 0
+    out = torch.where(seen[..., None], out / torch.where(seen, row_sum, 1.0)[..., None], 0.0)
+    lse = torch.where(seen, row_max + torch.log(torch.where(seen, row_sum, 1.0)), float("-inf"))
+    return out.flatten(1, 2).to(q.dtype), lse.flatten(1, 2).to(lse_dtype(q.dtype))
+
+
+def attention_backward(dout, q, k, v, out, lse, *, scale, is_causal=False, window=(-1, -1), attn_mask=None,
+                       q_offset=0, k_offset=0):
+    """Gradients (dq, dk, dv) given the final out and lse; works per key block, so a ring step
+    can pass the merged out/lse of all steps and get exactly its share of the gradients."""
+    blocks = _Blocks(q, k, scale, is_causal, window, attn_mask, q_offset, k_offset)
+    b, h_kv, g, s_q = blocks.b, blocks.h_kv, blocks.g, blocks.s_q
+    acc = blocks.acc
+    q_rows = _grouped(q, h_kv, acc)
+    do_rows = _grouped(dout, h_kv, acc)
+    lse5 = lse.to(acc).unflatten(1, (h_kv, g))
+    lse5 = torch.where(lse5 == float("-inf"), float("inf"), lse5)  # rows that saw nothing get p = 0
+    delta = (dout.to(acc) * out.to(acc)).sum(-1).unflatten(1, (h_kv, g))
+    dq = torch.zeros_like(q_rows)
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    for start, end, vis in blocks:
+        k_blk, v_blk = k[:, :, start:end].to(acc), v[:, :, start:end].to(acc)
+        p = torch.exp(blocks.scores(q_rows, k_blk, start, end, vis) - lse5[..., None])
+        dp = (do_rows @ v_blk.transpose(-1, -2)).unflatten(2, (g, s_q))
+        ds = (p * (dp - delta[..., None])).flatten(2, 3) * scale
+        p = p.flatten(2, 3)
+        dv[:, :, start:end] = p.transpose(-1, -2) @ do_rows
+        dk[:, :, start:end] = ds.transpose(-1, -2) @ q_rows
+        dq += ds @ k_blk
+    return dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

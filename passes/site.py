@@ -1,0 +1,38 @@
+"""One attention site found in a graph, and what became of it."""
+import dataclasses
+import re
+from typing import Optional
+
+
+@dataclasses.dataclass
+class Site:
+    node: str  # the graph node's name
+    location: str  # module path and source line, where dynamo recorded them
+    shapes: dict  # "q"/"k"/"v"/"attn_mask" -> shape tuple (hinted ints under dynamic shapes)
+    rewritten: bool
+    reason: str = ""  # why the site was left as it was
+    op: Optional[str] = None  # what it became
+    kernel: Optional[str] = None  # the kernel the op dispatches to, for the traced shapes
+
+    def __str__(self) -> str:
+        shapes = " ".join(f"{name}{tuple(shape)}" for name, shape in self.shapes.items())
+        outcome = f"-> {self.op} [{self.kernel}]" if self.rewritten else f"left as is: {self.reason}"
+        return f"{self.location or self.node}: {shapes} {outcome}"
+
+
+def location_of(node) -> str:
+    """'layers.0.attn @ model.py:42' from dynamo's node metadata (either part may be missing)."""
+    modules = node.meta.get("nn_module_stack") or {}
+    module = ""
+    if modules:
+        path = list(modules.values())[-1][0]
+        module = re.sub(r"^L\['[^']+'\]\.?", "", path)
+    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+    line = ""
+    for entry in reversed(trace):
+        entry = entry.strip()
+        if entry.startswith("File "):
+            path, _, rest = entry[len("File "):].partition(", line ")
+            line = f"{path.strip(chr(34)).rsplit('/', 1)[-1]}:{rest.split(',')[0]}"
+            break
+    return " @ ".join(part for part in (module, line) if part)

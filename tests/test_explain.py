@@ -1,0 +1,28 @@
+"""explain() reports one entry per attention site: where, shapes, outcome."""
+import torch
+import torch.nn.functional as F
+from expecttest import TestCase
+
+import attn_compile
+from attn_compile.demo import TinyGQATransformer
+
+
+class TestExplain(TestCase):
+    def test_model_report(self):
+        report = attn_compile.explain(TinyGQATransformer(layers=2), torch.randint(0, 256, (2, 12)))
+        self.assertExpectedInline(str(report), """\
+attn_compile: 2 attention site(s), 2 rewritten, 0 left as is
+  [0] blocks.0.attn @ demo.py:24: q(2, 8, 12, 8) k(2, 2, 12, 8) v(2, 2, 12, 8) -> attn_cp.attention [reference]
+  [1] blocks.1.attn @ demo.py:24: q(2, 8, 12, 8) k(2, 2, 12, 8) v(2, 2, 12, 8) -> attn_cp.attention [reference]""")
+
+    def test_left_site_has_its_reason(self):
+        def fn(q, k, v, mask):
+            return F.scaled_dot_product_attention(q, k, v, mask, dropout_p=0.25)
+
+        q = torch.randn(1, 2, 4, 8)
+        report = attn_compile.explain(fn, q, q, q, torch.ones(4, 4, dtype=torch.bool))
+        self.assertEqual(len(report.left), 1)
+        self.assertEqual(report.left[0].shapes, {"q": (1, 2, 4, 8), "k": (1, 2, 4, 8), "v": (1, 2, 4, 8),
+                                                  "attn_mask": (4, 4)})
+        self.assertEqual(report.left[0].reason, "dropout_p=0.25 > 0: the fused op has no dropout")
+        self.assertTrue(str(report).startswith("attn_compile: 1 attention site(s), 0 rewritten, 1 left as is"))

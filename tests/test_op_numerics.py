@@ -1,0 +1,92 @@
+"""attn_cp.attention against the float64 oracle, forward and dq/dk/dv, fp32 on CPU."""
+import pytest
+import torch
+
+import attn_compile  # noqa: F401  (registers torch.ops.attn_cp)
+from attn_compile.kernels import reference
+from oracle import naive_attention, rel_err
+from shapes import HEADS, make_qkv
+
+TOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def small_blocks(monkeypatch):
+    """Several key blocks per call, so the online softmax and block skipping are exercised."""
+    monkeypatch.setattr(reference, "BLOCK", 16)
+
+
+def _masks(kind, batch, h_q, s_q, s_k):
+    if kind == "none":
+        return None
+    if kind == "bool":
+        mask = torch.rand(batch, 1, s_q, s_k) > 0.3
+        mask[..., 0] = True  # every row sees a key; fully masked rows are tested on their own
+        return mask
+    return torch.randn(h_q, s_q, s_k)  # additive, broadcast over the batch
+
+
+def _check(q, k, v, do, *, attn_mask=None, is_causal=False, scale=None, window=(-1, -1)):
+    out, lse = torch.ops.attn_cp.attention(q, k, v, attn_mask, is_causal, scale, *window)
+    want = naive_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, window=window)
+    assert out.shape == (*q.shape[:-1], v.shape[-1]) and lse.shape == q.shape[:-1]
+    assert lse.dtype == torch.float32 and out.dtype == q.dtype
+    got_grads = torch.autograd.grad(out, (q, k, v), do)
+    want_grads = torch.autograd.grad(want, (q, k, v), do.double())
+    errors = [rel_err(out, want)] + [rel_err(g, w) for g, w in zip(got_grads, want_grads)]
+    assert max(errors) <= TOL, dict(zip(("out", "dq", "dk", "dv"), errors))
+
+
+CASES = [(causal, mask) for causal in (False, True) for mask in ("none", "bool", "additive")]
+
+
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("is_causal,mask", CASES)
+def test_matches_float64_reference(heads, is_causal, mask):
+    torch.manual_seed(0)
+    q, k, v = make_qkv(heads, s_q=40, s_k=40 if is_causal else 33)
+    attn_mask = _masks(mask, 2, q.shape[1], q.shape[2], k.shape[2])
+    _check(q, k, v, torch.randn(*q.shape[:-1], v.shape[-1]), attn_mask=attn_mask, is_causal=is_causal)
+
+
+@pytest.mark.parametrize("heads", ["gqa", "gqa_mla"])
+@pytest.mark.parametrize("is_causal,window", [(False, (5, 3)), (True, (7, -1)), (False, (-1, 0)), (False, (0, 0))])
+def test_window(heads, is_causal, window):
+    torch.manual_seed(1)
+    q, k, v = make_qkv(heads, s_q=48)
+    _check(q, k, v, torch.randn(*q.shape[:-1], v.shape[-1]), is_causal=is_causal, window=window)
+
+
+@pytest.mark.parametrize("s_q,s_k", [(1, 1), (1, 37), (37, 5), (20, 50)])
+def test_lengths_and_causal_alignment(s_q, s_k):
+    """Causal is SDPA's top-left alignment: key j is visible to query i when j <= i."""
+    torch.manual_seed(2)
+    q, k, v = make_qkv("gqa_mla", s_q=s_q, s_k=s_k)
+    _check(q, k, v, torch.randn(*q.shape[:-1], v.shape[-1]), is_causal=True, scale=0.37)
+
+
+def test_fully_masked_rows_give_zero_output_and_no_nan():
+    torch.manual_seed(3)
+    q, k, v = make_qkv("gqa", s_q=24)
+    mask = torch.rand(24, 24) > 0.5
+    mask[5] = False
+    mask[17] = False
+    out, lse = torch.ops.attn_cp.attention(q, k, v, mask)
+    assert torch.all(out[:, :, [5, 17]] == 0) and torch.all(lse[:, :, [5, 17]] == float("-inf"))
+    grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert torch.all(grads[0][:, :, [5, 17]] == 0)
+    _check(q, k, v, torch.randn_like(out), attn_mask=mask)
+
+
+def test_large_logits_stay_finite():
+    torch.manual_seed(4)
+    q, k, v = make_qkv("mla", s_q=32)
+    _check(q, k, v, torch.randn(*q.shape[:-1], v.shape[-1]), scale=40.0)  # |scale*q.k| reaches ~1e3
+
+
+def test_float64_keeps_float64_lse():
+    q, k, v = make_qkv("gqa_mla", dtype=torch.float64, requires_grad=False)
+    out, lse = torch.ops.attn_cp.attention(q, k, v, None, True)
+    assert lse.dtype == torch.float64
+    assert rel_err(out, naive_attention(q, k, v, is_causal=True)) < 1e-12

@@ -1,0 +1,28 @@
+"""torch.library.opcheck on both custom ops, for MHA, GQA, MLA and GQA+MLA."""
+import pytest
+import torch
+
+import attn_compile  # noqa: F401
+from shapes import HEADS, make_qkv
+
+
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("extra", [(None, True, None), (None, False, 0.3, 4, 2), ("bool", False), ("additive", False)])
+def test_opcheck_attention(heads, extra):
+    torch.manual_seed(0)
+    q, k, v = make_qkv(heads, s_q=12)
+    if extra[0] == "bool":
+        extra = (torch.rand(12, 12) > 0.3, *extra[1:])
+    elif extra[0] == "additive":
+        extra = (torch.randn(2, 1, 12, 12), *extra[1:])
+    torch.library.opcheck(torch.ops.attn_cp.attention.default, (q, k, v, *extra))
+
+
+@pytest.mark.parametrize("heads", list(HEADS))
+def test_opcheck_attention_backward(heads):
+    torch.manual_seed(0)
+    q, k, v = make_qkv(heads, s_q=12, requires_grad=False)
+    out, lse = torch.ops.attn_cp.attention(q, k, v, None, True)
+    dout = torch.randn_like(out)
+    torch.library.opcheck(torch.ops.attn_cp.attention_backward.default,
+                          (dout, q, k, v, out, lse, None, True, None, -1, -1))
