@@ -9,7 +9,7 @@ def _fail(message: str):
     raise ValueError(message)
 
 
-def check_attention_args(q, k, v, attn_mask, window):
+def check_attention_args(q, k, v, attn_mask, window, key_padding_mask=None):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != 4:
             _fail(f"{name} must be 4-D (batch, heads, seq, dim); got shape {tuple(x.shape)}")
@@ -32,6 +32,17 @@ def check_attention_args(q, k, v, attn_mask, window):
         _fail(f"window must be (left, right) with each >= 0, or -1 for unbounded; got {tuple(window)}")
     if attn_mask is not None:
         _check_mask(q, k, attn_mask, window)
+    if key_padding_mask is not None:
+        _check_key_padding(q, k, key_padding_mask)
+
+
+def _check_key_padding(q, k, key_padding_mask):
+    expected = (q.shape[0], k.shape[2])
+    if key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != expected:
+        _fail(f"key_padding_mask must be bool of shape (batch, S_k) = {expected} (True = a real key); "
+              f"got {key_padding_mask.dtype} of shape {tuple(key_padding_mask.shape)}")
+    if key_padding_mask.device != q.device:
+        _fail(f"key_padding_mask must be on q's device {q.device}; got {key_padding_mask.device}")
 
 
 def _check_mask(q, k, attn_mask, window):

@@ -18,6 +18,7 @@ def _plain(p: Problem) -> bool:
         and not p.windowed
         and not p.offset
         and not p.has_mask
+        and not p.has_key_padding
         and (not p.is_causal or p.s_q == p.s_k)
         and p.d_qk % 8 == 0
         and p.d_v % 8 == 0
@@ -50,11 +51,12 @@ class Cudnn:
 
     @staticmethod
     def backward(dout, q, k, v, out, lse, scale, is_causal):
+        # Undefined (None) cumulative lengths: defined ones would select cuDNN's packed (varlen) path.
         empty = q.new_empty(0)
         lse = lse.reshape(*q.shape[:-1], 1).contiguous()
         s_q, s_k = q.shape[2], k.shape[2]
         return aten._scaled_dot_product_cudnn_attention_backward(
-            _like(dout, out), q, k, v, out, lse, empty, empty, None, empty, empty, s_q, s_k, 0.0, is_causal, scale=scale
+            _like(dout, out), q, k, v, out, lse, empty, empty, None, None, None, s_q, s_k, 0.0, is_causal, scale=scale
         )
 
 
@@ -77,7 +79,7 @@ class Flash:
     def backward(dout, q, k, v, out, lse, scale, is_causal):
         empty = q.new_empty(0)
         return aten._scaled_dot_product_flash_attention_backward(
-            _like(dout, out), q, k, v, out, lse.contiguous(), empty, empty, q.shape[2], k.shape[2], 0.0, is_causal,
+            _like(dout, out), q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, is_causal,
             empty, empty, scale=scale,
         )
 

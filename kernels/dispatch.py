@@ -7,7 +7,8 @@ takes everything else.
 
 Mask arguments, shared by every function here: ``is_causal`` (key j visible to query i when
 j <= i), ``window=(left, right)`` (i-left <= j <= i+right, -1 unbounded), ``attn_mask`` (bool,
-True = visible, or additive), and the global positions ``q_offset + i`` / ``k_offset + j``.
+True = visible, or additive), ``key_padding_mask`` ((B, S_k) bool, True = a real key), and the
+global positions ``q_offset + i`` / ``k_offset + j``. All that apply are ANDed.
 """
 from . import reference
 from .aten import Cudnn, Efficient, Flash

@@ -26,7 +26,7 @@ def _grouped(x: torch.Tensor, h_kv: int, acc: torch.dtype) -> torch.Tensor:
 class _Blocks:
     """Shared by forward and backward: the key blocks to visit and the scores of each."""
 
-    def __init__(self, q, k, scale, is_causal, window, attn_mask, q_offset, k_offset):
+    def __init__(self, q, k, scale, is_causal, window, attn_mask, key_padding_mask, q_offset, k_offset):
         self.b, self.h_q, self.s_q, _ = q.shape
         self.h_kv, self.s_k = k.shape[1], k.shape[2]
         self.g = self.h_q // self.h_kv
@@ -38,6 +38,7 @@ class _Blocks:
         self.mask = None
         if attn_mask is not None:
             self.mask = attn_mask.expand(self.b, self.h_q, self.s_q, self.s_k).unflatten(1, (self.h_kv, self.g))
+        self.key_padding = None if key_padding_mask is None else key_padding_mask[:, None, None, None, :]
 
     def __iter__(self):
         for start in range(0, self.s_k, BLOCK):
@@ -52,15 +53,18 @@ class _Blocks:
         if self.mask is not None:
             m = self.mask[..., start:end]
             s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.to(self.acc)
+        if self.key_padding is not None:
+            s = s.masked_fill(~self.key_padding[..., start:end], float("-inf"))
         if vis is Visibility.PARTIAL:
             k_pos = torch.arange(start, end, device=s.device) + self.k_offset
             s = s.masked_fill(~visible(self.q_pos, k_pos, self.left, self.right), float("-inf"))
         return s
 
 
-def attention_forward(q, k, v, *, scale, is_causal=False, window=(-1, -1), attn_mask=None, q_offset=0, k_offset=0):
+def attention_forward(q, k, v, *, scale, is_causal=False, window=(-1, -1), attn_mask=None, key_padding_mask=None,
+                      q_offset=0, k_offset=0):
     """Returns (out (B, h_q, S_q, d_v) in q's dtype, lse (B, h_q, S_q) float32)."""
-    blocks = _Blocks(q, k, scale, is_causal, window, attn_mask, q_offset, k_offset)
+    blocks = _Blocks(q, k, scale, is_causal, window, attn_mask, key_padding_mask, q_offset, k_offset)
     b, h_kv, g, s_q = blocks.b, blocks.h_kv, blocks.g, blocks.s_q
     acc = blocks.acc
     q_rows = _grouped(q, h_kv, acc)
@@ -84,10 +88,10 @@ def attention_forward(q, k, v, *, scale, is_causal=False, window=(-1, -1), attn_
 
 
 def attention_backward(dout, q, k, v, out, lse, *, scale, is_causal=False, window=(-1, -1), attn_mask=None,
-                       q_offset=0, k_offset=0):
+                       key_padding_mask=None, q_offset=0, k_offset=0):
     """Gradients (dq, dk, dv) given the final out and lse; works per key block, so a ring step
     can pass the merged out/lse of all steps and get exactly its share of the gradients."""
-    blocks = _Blocks(q, k, scale, is_causal, window, attn_mask, q_offset, k_offset)
+    blocks = _Blocks(q, k, scale, is_causal, window, attn_mask, key_padding_mask, q_offset, k_offset)
     b, h_kv, g, s_q = blocks.b, blocks.h_kv, blocks.g, blocks.s_q
     acc = blocks.acc
     q_rows = _grouped(q, h_kv, acc)

@@ -3,7 +3,7 @@ import torch
 
 
 def naive_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, window=(-1, -1),
-                    q_offset=0, k_offset=0):
+                    key_padding_mask=None, q_offset=0, k_offset=0):
     """float64 attention with repeated KV heads and an explicit S_q x S_k mask; fully masked rows give 0."""
     q, k, v = q.double(), k.double(), v.double()
     group = q.shape[1] // k.shape[1]
@@ -25,6 +25,8 @@ def naive_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, win
             visible = visible & attn_mask
         else:
             scores = scores + attn_mask.double()
+    if key_padding_mask is not None:
+        visible = visible & key_padding_mask[:, None, None, :]
     scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     return probs @ v

@@ -26,9 +26,10 @@ def _masks(kind, batch, h_q, s_q, s_k):
     return torch.randn(h_q, s_q, s_k)  # additive, broadcast over the batch
 
 
-def _check(q, k, v, do, *, attn_mask=None, is_causal=False, scale=None, window=(-1, -1)):
-    out, lse = torch.ops.attn_cp.attention(q, k, v, attn_mask, is_causal, scale, *window)
-    want = naive_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, window=window)
+def _check(q, k, v, do, *, attn_mask=None, is_causal=False, scale=None, window=(-1, -1), key_padding_mask=None):
+    out, lse = torch.ops.attn_cp.attention(q, k, v, attn_mask, is_causal, scale, *window, key_padding_mask)
+    want = naive_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, window=window,
+                           key_padding_mask=key_padding_mask)
     assert out.shape == (*q.shape[:-1], v.shape[-1]) and lse.shape == q.shape[:-1]
     assert lse.dtype == torch.float32 and out.dtype == q.dtype
     got_grads = torch.autograd.grad(out, (q, k, v), do)
@@ -55,6 +56,19 @@ def test_window(heads, is_causal, window):
     torch.manual_seed(1)
     q, k, v = make_qkv(heads, s_q=48)
     _check(q, k, v, torch.randn(*q.shape[:-1], v.shape[-1]), is_causal=is_causal, window=window)
+
+
+@pytest.mark.parametrize("heads", ["gqa", "gqa_mla"])
+@pytest.mark.parametrize("is_causal,window", [(True, (-1, -1)), (True, (6, -1)), (False, (-1, -1))])
+def test_key_padding_with_causal_and_window(heads, is_causal, window):
+    """Left padding on batch 0, right padding on batch 1, as Hugging Face batches arrive."""
+    torch.manual_seed(5)
+    q, k, v = make_qkv(heads, s_q=40)
+    keep = torch.ones(2, 40, dtype=torch.bool)
+    keep[0, :9] = False
+    keep[1, 31:] = False
+    _check(q, k, v, torch.randn(*q.shape[:-1], v.shape[-1]), is_causal=is_causal, window=window,
+           key_padding_mask=keep)
 
 
 @pytest.mark.parametrize("s_q,s_k", [(1, 1), (1, 37), (37, 5), (20, 50)])

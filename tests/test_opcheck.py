@@ -7,11 +7,14 @@ from shapes import HEADS, make_qkv
 
 
 @pytest.mark.parametrize("heads", list(HEADS))
-@pytest.mark.parametrize("extra", [(None, True, None), (None, False, 0.3, 4, 2), ("bool", False), ("additive", False)])
+@pytest.mark.parametrize("extra", [(None, True, None), (None, False, 0.3, 4, 2), ("bool", False), ("additive", False),
+                                   (None, True, None, 3, -1, "key_padding")])
 def test_opcheck_attention(heads, extra):
     torch.manual_seed(0)
     q, k, v = make_qkv(heads, s_q=12)
-    if extra[0] == "bool":
+    if extra[-1] == "key_padding":
+        extra = (*extra[:-1], torch.arange(12).expand(2, 12) >= torch.tensor([[0], [4]]))
+    elif extra[0] == "bool":
         extra = (torch.rand(12, 12) > 0.3, *extra[1:])
     elif extra[0] == "additive":
         extra = (torch.randn(2, 1, 12, 12), *extra[1:])
@@ -25,4 +28,4 @@ def test_opcheck_attention_backward(heads):
     out, lse = torch.ops.attn_cp.attention(q, k, v, None, True)
     dout = torch.randn_like(out)
     torch.library.opcheck(torch.ops.attn_cp.attention_backward.default,
-                          (dout, q, k, v, out, lse, None, True, None, -1, -1))
+                          (dout, q, k, v, out, lse, None, True, None, -1, -1, None))

@@ -34,6 +34,12 @@ CASES = {
                       "q, k and v must share one floating-point dtype; got q=torch.int64, k=torch.int64, v=torch.int64"),
     "rank": (lambda: (_qkv()[0][0], *_qkv()[1:]),
              "q must be 4-D (batch, heads, seq, dim); got shape (8, 16, 24)"),
+    "key_padding_shape": (lambda: (*_qkv(), None, True, None, -1, -1, torch.ones(2, 15, dtype=torch.bool)),
+                          "key_padding_mask must be bool of shape (batch, S_k) = (2, 16) (True = a real key); "
+                          "got torch.bool of shape (2, 15)"),
+    "key_padding_dtype": (lambda: (*_qkv(), None, True, None, -1, -1, torch.ones(2, 16)),
+                          "key_padding_mask must be bool of shape (batch, S_k) = (2, 16) (True = a real key); "
+                          "got torch.float32 of shape (2, 16)"),
     "head_dim": (lambda: (torch.randn(2, 8, 16, 32), *_qkv()[1:]),
                  "q and k must have the same head dim; got q=32, k=24"),
     "batch": (lambda: (torch.randn(3, 8, 16, 24), *_qkv()[1:]),
