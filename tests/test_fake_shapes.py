@@ -13,7 +13,7 @@ def test_static_gqa_mla_shapes():
         v = torch.empty(2, 4, 96, 128, dtype=torch.bfloat16)
         out, lse = torch.ops.attn_cp.attention(q, k, v, None, False)
         dq, dk, dv = torch.ops.attn_cp.attention_backward(torch.empty_like(out), q, k, v, out, lse, None, False,
-                                                          None, -1, -1, None)
+                                                          None, -1, -1, None, 0)
     assert out.shape == (2, 64, 128, 128) and out.dtype == torch.bfloat16
     assert lse.shape == (2, 64, 128) and lse.dtype == torch.float32
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)

@@ -79,6 +79,18 @@ def test_lengths_and_causal_alignment(s_q, s_k):
     _check(q, k, v, torch.randn(*q.shape[:-1], v.shape[-1]), is_causal=True, scale=0.37)
 
 
+@pytest.mark.parametrize("window", [(-1, -1), (9, -1)])
+def test_query_offset(window):
+    """A query shard at global offset 24 of 64 positions against all 64 keys."""
+    torch.manual_seed(6)
+    q, k, v = make_qkv("gqa_mla", s_q=16, s_k=64)
+    out, _ = torch.ops.attn_cp.attention(q, k, v, None, True, None, *window, None, 24)
+    want = naive_attention(q, k, v, is_causal=True, window=window, q_offset=24)
+    do = torch.randn_like(out)
+    grads, want_grads = torch.autograd.grad(out, (q, k, v), do), torch.autograd.grad(want, (q, k, v), do.double())
+    assert max([rel_err(out, want)] + [rel_err(g, w) for g, w in zip(grads, want_grads)]) <= TOL
+
+
 def test_fully_masked_rows_give_zero_output_and_no_nan():
     torch.manual_seed(3)
     q, k, v = make_qkv("gqa", s_q=24)

@@ -28,4 +28,4 @@ def test_opcheck_attention_backward(heads):
     out, lse = torch.ops.attn_cp.attention(q, k, v, None, True)
     dout = torch.randn_like(out)
     torch.library.opcheck(torch.ops.attn_cp.attention_backward.default,
-                          (dout, q, k, v, out, lse, None, True, None, -1, -1, None))
+                          (dout, q, k, v, out, lse, None, True, None, -1, -1, None, 5))

@@ -1,0 +1,155 @@
+"""Time and memory of each context-parallel strategy for one attention call, fwd + bwd.
+
+A small analytic model: compute at the kernel's throughput, transfers at the link's bandwidth,
+and overlap only where the strategy really overlaps (the ring hides each step's transfer behind
+the previous step's compute; all-gather and Ulysses wait for their collectives). The defaults
+describe NVLink-connected H100/H200 (see BENCHMARKS.md); pass ``Hardware(...)`` to override.
+"""
+import dataclasses
+import math
+
+import torch
+
+from .kernels.visibility import UNBOUNDED, effective_window
+
+STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
+BACKWARD_COMPUTE = 2.5  # backward FLOPs over forward FLOPs (flash attention recomputes P)
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    kernel_tflops: float = 550.0  # bf16 attention fwd, cuDNN on H100 (BASELINES.md: 548-618)
+    link_gbps: float = 300.0  # GB/s each way per GPU for p2p and collectives over NVLink
+    a2a_efficiency: float = 0.8  # all-to-all reaches this fraction of link_gbps
+    memory_gbps: float = 3000.0  # HBM, for the fp32 merge of partial outputs
+    step_overhead_s: float = 30e-6  # launches and synchronisation of one ring step
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One attention call as each rank sees it: ``s_local`` query rows per rank."""
+
+    batch: int
+    s_local: int
+    h_q: int
+    h_kv: int
+    d_qk: int
+    d_v: int
+    dtype: torch.dtype
+    is_causal: bool
+    window: tuple = (-1, -1)
+    mesh_shape: tuple = (2,)  # (cp,) or (outer, inner) for the hybrid
+
+    @property
+    def cp(self) -> int:
+        return math.prod(self.mesh_shape)
+
+    @property
+    def element_bytes(self) -> int:
+        return torch.finfo(self.dtype).bits // 8
+
+    def visible_keys(self) -> float:
+        """Keys a query row sees, on average over the whole sequence."""
+        s = self.s_local * self.cp
+        left, right = effective_window(self.is_causal, self.window)
+        if left == UNBOUNDED and right == 0:
+            return (s + 1) / 2
+        return min(s, (s if left == UNBOUNDED else left) + (s if right == UNBOUNDED else right) + 1)
+
+    def forward_flops(self) -> float:
+        return 2.0 * self.batch * self.h_q * self.s_local * self.visible_keys() * (self.d_qk + self.d_v)
+
+    def kv_bytes(self, heads: int) -> float:
+        return self.batch * heads * self.s_local * (self.d_qk + self.d_v) * self.element_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    strategy: str
+    compute_s: float
+    transfer_s: float
+    time_s: float  # with the strategy's overlap
+    memory_bytes: float  # K/V (and gathered or exchanged copies) held per rank
+
+    def __str__(self) -> str:
+        return (f"{self.strategy}: {self.time_s * 1e3:.3f} ms (compute {self.compute_s * 1e3:.3f} ms, "
+                f"transfer {self.transfer_s * 1e3:.3f} ms, memory {self.memory_bytes / 2**20:.1f} MiB)")
+
+
+def _ring(p: Problem, hw: Hardware, ranks: int, compute: float) -> tuple[float, float, float]:
+    """(transfer, time, memory) of a ring over ``ranks``: KV forward, KV and dKV backward. Each
+    step also pays a fixed overhead and the fp32 merge of the partial output."""
+    step_bytes = p.kv_bytes(p.h_kv)
+    step_transfer = step_bytes / (hw.link_gbps * 1e9)
+    steps = ranks - 1
+    merge = 3 * p.batch * p.h_q * p.s_local * (p.d_v + 1) * 4 / (hw.memory_gbps * 1e9)
+    step_compute = compute / ranks + merge + hw.step_overhead_s
+    fwd = step_compute + steps * max(step_compute, step_transfer)
+    bwd = BACKWARD_COMPUTE * step_compute + steps * max(BACKWARD_COMPUTE * step_compute, 2 * step_transfer)
+    return 3 * steps * step_transfer, fwd + bwd, 3 * step_bytes
+
+
+def estimate(strategy: str, p: Problem, hw: Hardware = Hardware()) -> Estimate:
+    compute = p.forward_flops() / (hw.kernel_tflops * 1e12)
+    total_compute = compute * (1 + BACKWARD_COMPUTE)
+    if strategy == "ring":
+        transfer, time, memory = _ring(p, hw, p.cp, compute)
+    elif strategy == "allgather":
+        # all-gather of KV in forward, again in backward (recomputed), reduce-scatter of dKV
+        gathered = p.kv_bytes(p.h_kv) * p.cp
+        transfer = 3 * gathered * (p.cp - 1) / p.cp / (hw.link_gbps * 1e9)
+        time, memory = total_compute + transfer, 2 * gathered
+    elif strategy == "ulysses":
+        transfer = _a2a_seconds(p, hw, p.cp)
+        time, memory = total_compute + transfer, p.kv_bytes(_kv_heads_sent(p.h_kv, p.cp)) * 2
+    elif strategy == "hybrid":
+        outer, inner = p.mesh_shape
+        a2a = _a2a_seconds(p, hw, inner)
+        per_group = dataclasses.replace(p, s_local=p.s_local * inner, h_q=p.h_q // inner,
+                                        h_kv=_kv_heads_sent(p.h_kv, inner) // inner, mesh_shape=(outer,))
+        ring_transfer, ring_time, memory = _ring(per_group, hw, outer, compute)
+        transfer, time = a2a + ring_transfer, a2a + ring_time
+    else:
+        raise ValueError(f"strategy must be one of {STRATEGIES}; got {strategy!r}")
+    return Estimate(strategy, total_compute, transfer, time, memory)
+
+
+def _kv_heads_sent(h_kv: int, cp: int) -> int:
+    """KV heads after Ulysses repeats them up to a multiple of cp (see cp/ulysses.py)."""
+    return h_kv * (cp // math.gcd(h_kv, cp))
+
+
+def _a2a_seconds(p: Problem, hw: Hardware, ranks: int) -> float:
+    """Ulysses all-to-alls, fwd + bwd: q, k, v and out forward; dout, q, k, v, out back and dq, dk, dv."""
+    e = p.element_bytes
+    per_row = p.batch * p.s_local * e
+    q, out = per_row * p.h_q * p.d_qk, per_row * p.h_q * p.d_v
+    kv = per_row * _kv_heads_sent(p.h_kv, ranks) * (p.d_qk + p.d_v)
+    moved = (q + kv + out) + (out + q + kv + out) + (q + kv)
+    return moved * (ranks - 1) / ranks / (hw.link_gbps * hw.a2a_efficiency * 1e9)
+
+
+def feasible(strategy: str, p: Problem) -> tuple[bool, str]:
+    """Whether the strategy can run this problem on this mesh, and if not, why."""
+    if strategy == "hybrid":
+        if len(p.mesh_shape) != 2:
+            return False, "hybrid needs a 2-D mesh"
+        inner = p.mesh_shape[1]
+        if p.h_q % inner:
+            return False, f"h_q={p.h_q} is not a multiple of the inner mesh size {inner}"
+        return True, ""
+    if len(p.mesh_shape) != 1:
+        return False, f"{strategy} needs a 1-D mesh"
+    if strategy == "ulysses" and p.h_q % p.cp:
+        return False, f"h_q={p.h_q} is not a multiple of the context-parallel size {p.cp}"
+    return True, ""
+
+
+def choose(p: Problem, hw: Hardware = Hardware()) -> tuple[str, dict]:
+    """(fastest feasible strategy, {strategy: Estimate or reason it is infeasible})."""
+    table = {}
+    for strategy in STRATEGIES:
+        ok, reason = feasible(strategy, p)
+        table[strategy] = estimate(strategy, p, hw) if ok else reason
+    estimates = {s: e for s, e in table.items() if isinstance(e, Estimate)}
+    return min(estimates, key=lambda s: estimates[s].time_s), table

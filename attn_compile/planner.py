@@ -1,0 +1,142 @@
+"""From the DTensor placements of q, k and v to a plan: which attention runs on the local shards.
+
+Each mesh dim is read on its own:
+- all three ``Replicate``: nothing to do on that dim;
+- all three ``Shard(0)`` (batch) or ``Shard(1)`` (heads): every rank attends its own part;
+- q ``Shard(1)`` with k, v ``Replicate`` (GQA tensor parallel, h_kv < mesh size): every rank takes
+  the KV heads its query heads use;
+- all three ``Shard(2)`` (sequence): context parallelism over that dim; two such dims: hybrid;
+- q ``Shard(2)`` with k, v ``Replicate``: the local queries attend to all keys at their global offset.
+Anything else raises a ValueError that names every placement and says how to fix it. The plan
+depends only on global shapes, placements and options, so every rank makes the same one.
+"""
+import dataclasses
+from typing import Optional
+
+from torch.distributed.tensor import Replicate, Shard
+
+from . import cost_model
+
+BATCH, HEADS, SEQ = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    cp_dims: tuple = ()  # mesh dims the sequence is sharded over (context parallelism)
+    strategy: Optional[str] = None  # for cp_dims
+    q_seq_dim: Optional[int] = None  # mesh dim of a q-only sequence split (k, v replicated)
+    kv_head_dim: Optional[int] = None  # mesh dim of a q-only head split (GQA tensor parallel)
+    table: dict = dataclasses.field(default_factory=dict)  # cost-model estimate or reason, per strategy
+
+    def describe(self) -> str:
+        if self.cp_dims:
+            return f"context parallel over mesh dim(s) {list(self.cp_dims)}: {self.strategy}"
+        if self.q_seq_dim is not None:
+            return f"local: q sequence shard against all keys (mesh dim {self.q_seq_dim})"
+        if self.kv_head_dim is not None:
+            return f"local: q head shard against its KV heads (mesh dim {self.kv_head_dim})"
+        return "local: no communication"
+
+
+def _name(placements) -> str:
+    return "(" + ", ".join(repr(p) for p in placements) + ("," if len(placements) == 1 else "") + ")"
+
+
+def _mesh_name(mesh) -> str:
+    names = mesh.mesh_dim_names
+    label = ", ".join(names) if names else "unnamed"
+    return f"mesh '{label}' (size {'x'.join(str(s) for s in mesh.shape)})"
+
+
+def _mismatch(q, k, v, mesh, fix: str) -> ValueError:
+    return ValueError(
+        f"q, k, v must be sharded the same way on batch and sequence dims; got q={_name(q.placements)}, "
+        f"k={_name(k.placements)}, v={_name(v.placements)} on {_mesh_name(mesh)}. {fix}")
+
+
+def _kind(p) -> str:
+    if isinstance(p, Replicate):
+        return "replicate"
+    if isinstance(p, Shard) and p.dim in (BATCH, HEADS, SEQ):
+        return ("batch", "heads", "seq")[p.dim]
+    return "other"
+
+
+def plan(q, k, v, *, is_causal: bool, window=(-1, -1), strategy: str = "auto",
+         hardware: cost_model.Hardware = cost_model.Hardware()) -> Plan:
+    """q, k, v: DTensors (or fake DTensors from a trace) on one mesh."""
+    mesh = q.device_mesh
+    if k.device_mesh != mesh or v.device_mesh != mesh:
+        raise ValueError(f"q, k, v must be on one device mesh; got q on {_mesh_name(mesh)}, k on "
+                         f"{_mesh_name(k.device_mesh)}, v on {_mesh_name(v.device_mesh)}")
+    cp_dims, fields = [], {}
+    for dim in range(mesh.ndim):
+        kinds = tuple(_kind(t.placements[dim]) for t in (q, k, v))
+        if kinds[1] != kinds[2]:
+            raise _mismatch(q, k, v, mesh, f"Redistribute v to {_name([k.placements[dim]])} on mesh dim {dim}, "
+                                           f"or k to {_name([v.placements[dim]])}.")
+        if kinds in (("replicate",) * 3, ("batch",) * 3, ("heads",) * 3):
+            continue
+        if kinds == ("seq",) * 3:
+            cp_dims.append(dim)
+        elif kinds == ("seq", "replicate", "replicate"):
+            fields["q_seq_dim"] = dim
+        elif kinds == ("heads", "replicate", "replicate"):
+            fields["kv_head_dim"] = dim
+        elif "other" in kinds:
+            raise ValueError(f"q, k, v placements must be Replicate or Shard on the batch (0), head (1) or sequence "
+                             f"(2) dim; got q={_name(q.placements)}, k={_name(k.placements)}, "
+                             f"v={_name(v.placements)} on {_mesh_name(mesh)}")
+        else:
+            target = _name([k.placements[dim]])
+            raise _mismatch(q, k, v, mesh, f"Redistribute q to {target} on mesh dim {dim}, or k and v to "
+                                           f"{_name([q.placements[dim]])}.")
+    if len(cp_dims) > 2 or (cp_dims and fields.get("q_seq_dim") is not None):
+        raise ValueError(f"the sequence may be sharded over at most two mesh dims, for q, k and v alike; got "
+                         f"q={_name(q.placements)}, k={_name(k.placements)}, v={_name(v.placements)} on "
+                         f"{_mesh_name(mesh)}")
+    _check_divisible(q, k, mesh, cp_dims, fields)
+    if not cp_dims:
+        return Plan(**fields)
+    problem = cost_model.Problem(
+        batch=q.shape[0], s_local=q.shape[2] // _prod(mesh.shape[d] for d in cp_dims), h_q=q.shape[1],
+        h_kv=k.shape[1], d_qk=q.shape[-1], d_v=v.shape[-1], dtype=q.dtype, is_causal=is_causal, window=tuple(window),
+        mesh_shape=tuple(mesh.shape[d] for d in cp_dims))
+    best, table = cost_model.choose(problem, hardware)
+    if strategy != "auto":
+        reason = table.get(strategy, f"strategy must be 'auto' or one of {cost_model.STRATEGIES}; got {strategy!r}")
+        if isinstance(reason, str):
+            raise ValueError(f"strategy={strategy!r} cannot run here: {reason}")
+        best = strategy
+    return Plan(cp_dims=tuple(cp_dims), strategy=best, table=table, **fields)
+
+
+def _check_divisible(q, k, mesh, cp_dims, fields) -> None:
+    """Even shards only: uneven ones would differ in shape from rank to rank."""
+    seq_ranks = _prod(mesh.shape[d] for d in cp_dims)
+    if fields.get("q_seq_dim") is not None:
+        seq_ranks *= mesh.shape[fields["q_seq_dim"]]
+    if q.shape[SEQ] % seq_ranks:
+        raise ValueError(f"the sequence length {q.shape[SEQ]} must be a multiple of {seq_ranks}, the number of "
+                         f"sequence shards on {_mesh_name(mesh)}")
+    if fields.get("kv_head_dim") is not None:
+        ranks, group = mesh.shape[fields["kv_head_dim"]], q.shape[HEADS] // k.shape[HEADS]
+        local = q.shape[HEADS] // ranks
+        if q.shape[HEADS] % ranks or (local % group and group % local):
+            raise ValueError(f"q's {q.shape[HEADS]} heads split over {ranks} ranks must give each rank whole "
+                             f"groups of the {k.shape[HEADS]} KV heads, or a part of one group; got {local} query "
+                             f"heads per rank with {group} query heads per KV head")
+
+
+def kv_head_slice(h_q: int, h_kv: int, ranks: int, rank: int) -> tuple[int, int]:
+    """(first, count) of the KV heads used by query heads [rank·h_q/ranks, (rank+1)·h_q/ranks)."""
+    local, group = h_q // ranks, h_q // h_kv
+    first = rank * local // group
+    return first, max(local // group, 1)
+
+
+def _prod(values) -> int:
+    result = 1
+    for value in values:
+        result *= value
+    return result

@@ -1,0 +1,64 @@
+"""The cost model picks the expected strategy in clear-cut regimes."""
+import dataclasses
+
+import pytest
+import torch
+
+from attn_compile.cost_model import Hardware, Problem, choose, estimate
+
+
+def _problem(**overrides):
+    base = dict(batch=1, s_local=32768, h_q=32, h_kv=8, d_qk=128, d_v=128, dtype=torch.bfloat16, is_causal=True,
+                mesh_shape=(2,))
+    return Problem(**{**base, **overrides})
+
+
+def test_gqa_with_small_kv_prefers_allgather():
+    """KV is a quarter of Q: gathering it once costs less than a merge per ring step."""
+    assert choose(_problem())[0] == "allgather"
+
+
+def test_large_kv_with_indivisible_heads_prefers_ring():
+    """MHA with h_q=12 on 8 ranks: Ulysses cannot split the heads, and the ring hides 7 large transfers."""
+    strategy, table = choose(_problem(h_q=12, h_kv=12, mesh_shape=(8,)))
+    assert strategy == "ring"
+    assert table["ulysses"] == "h_q=12 is not a multiple of the context-parallel size 8"
+
+
+def test_many_ranks_and_divisible_heads_prefer_ulysses():
+    assert choose(_problem(h_q=32, h_kv=32, s_local=2048, mesh_shape=(8,)))[0] == "ulysses"
+
+
+def test_two_dimensional_mesh_means_hybrid():
+    strategy, table = choose(_problem(mesh_shape=(2, 4)))
+    assert strategy == "hybrid"
+    assert table["ring"] == "ring needs a 1-D mesh"
+
+
+def test_window_reduces_compute_and_favours_gathering():
+    full, windowed = _problem(s_local=8192, mesh_shape=(4,)), _problem(s_local=8192, mesh_shape=(4,), window=(1024, 0))
+    assert estimate("ring", windowed).compute_s < estimate("ring", full).compute_s / 10
+    assert choose(windowed)[0] == "allgather"
+
+
+def test_causal_is_half_the_work_of_full():
+    causal, full = _problem(), _problem(is_causal=False)
+    assert estimate("ring", causal).compute_s == pytest.approx(estimate("ring", full).compute_s / 2, rel=1e-3)
+
+
+def test_faster_links_shrink_transfer_only():
+    p, fast = _problem(), Hardware(link_gbps=600.0)
+    slow_est, fast_est = estimate("allgather", p), estimate("allgather", p, fast)
+    assert fast_est.transfer_s == pytest.approx(slow_est.transfer_s / 2)
+    assert fast_est.compute_s == slow_est.compute_s
+
+
+def test_unknown_strategy():
+    with pytest.raises(ValueError, match=r"^strategy must be one of \('ring', 'allgather', 'ulysses', 'hybrid'\); "
+                                         r"got 'tree'$"):
+        estimate("tree", _problem())
+
+
+def test_estimates_print_readably():
+    text = str(estimate("ring", dataclasses.replace(_problem(), s_local=1024)))
+    assert text.startswith("ring: ") and "compute" in text and "MiB" in text
