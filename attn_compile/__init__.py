@@ -1,6 +1,8 @@
 """attn_compile: a torch.compile backend ("attn_cp") that rewrites attention into fused,
 context-parallel ops. ``torch.compile(model, backend="attn_cp")`` needs no import of this package."""
 from . import ops  # registers torch.ops.attn_cp.*
+from .cp.api import context_parallel_attention
+from .cp.layout import shard_sequence, unshard_sequence
 from .explain import Report, explain
 
-__all__ = ["explain", "Report", "ops"]
+__all__ = ["context_parallel_attention", "shard_sequence", "unshard_sequence", "explain", "Report", "ops"]

@@ -3,6 +3,7 @@ import argparse
 import sys
 
 from . import demo
+from .cp import demo as cp_demo
 
 
 def main(argv=None) -> int:
@@ -12,7 +13,8 @@ def main(argv=None) -> int:
     run_demo.add_argument("--world", type=int, default=2, help="processes for the context-parallel part")
     run_demo.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args(argv)
-    return demo.local_demo()
+    failed = demo.local_demo()
+    return cp_demo.main(args.world, args.device) or failed
 
 
 if __name__ == "__main__":

@@ -152,4 +152,7 @@ def choose(p: Problem, hw: Hardware = Hardware()) -> tuple[str, dict]:
         ok, reason = feasible(strategy, p)
         table[strategy] = estimate(strategy, p, hw) if ok else reason
     estimates = {s: e for s, e in table.items() if isinstance(e, Estimate)}
+    if not estimates:
+        reasons = "; ".join(f"{s}: {r}" for s, r in table.items())
+        raise ValueError(f"no context-parallel strategy can run this problem on mesh {p.mesh_shape}: {reasons}")
     return min(estimates, key=lambda s: estimates[s].time_s), table

@@ -53,6 +53,14 @@ def test_faster_links_shrink_transfer_only():
     assert fast_est.compute_s == slow_est.compute_s
 
 
+def test_nothing_feasible():
+    with pytest.raises(ValueError, match=r"^no context-parallel strategy can run this problem on mesh \(2, 8\): "
+                                         r"ring: ring needs a 1-D mesh; allgather: allgather needs a 1-D mesh; "
+                                         r"ulysses: ulysses needs a 1-D mesh; hybrid: h_q=12 is not a multiple of "
+                                         r"the inner mesh size 8$"):
+        choose(_problem(h_q=12, h_kv=12, mesh_shape=(2, 8)))
+
+
 def test_unknown_strategy():
     with pytest.raises(ValueError, match=r"^strategy must be one of \('ring', 'allgather', 'ulysses', 'hybrid'\); "
                                          r"got 'tree'$"):

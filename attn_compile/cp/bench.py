@@ -1,0 +1,206 @@
+"""Context-parallel benchmark: ``torchrun --nproc-per-node N -m attn_compile.bench cp [--seq S ...] [--check]``.
+
+Per-GPU TFLOP/s, forward and forward+backward, of every strategy on causal GQA 32/8 d128 and
+causal MLA 16 heads 192/128 in bf16, beside the single-GPU local kernels at the same per-GPU
+work (a sequence of S/sqrt(N) tokens) and PyTorch's experimental ``context_parallel`` (both
+rotate methods). FLOPs = 2·B·H_q·S²·(d_qk+d_v), halved for causal; fwd+bwd counts 3.5×.
+
+Timing is the median over calls with the L2 cache flushed before each, as
+``triton.testing.do_bench`` does. The local kernels use do_bench itself. Collective code
+cannot: do_bench sizes its repeat count from a per-rank time estimate, and ranks that repeat
+a different number of times hang in the collectives. So collective code is timed with fixed
+counts, and every rank reports the slowest rank's median.
+
+``--check``: bf16 context-parallel output and gradients against float32 single-GPU results,
+relative error (norm of error / norm of reference) at most 2.5e-2.
+"""
+import argparse
+import math
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+from attn_compile.kernels import attention_backward, attention_forward
+
+from .api import context_parallel_attention
+from .layout import shard_sequence, unshard_sequence
+
+CONFIGS = {  # name: (h_q, h_kv, d_qk, d_v)
+    "gqa 32/8 d128": (32, 8, 128, 128),
+    "mla 16h 192/128": (16, 16, 192, 128),
+}
+CHECK_TOLERANCE = 2.5e-2
+WARMUP, REPEAT = 3, 10
+DEVICE = "cuda"
+
+
+def _flops(h_q, seq, d_qk, d_v, backward=False):
+    return 2 * h_q * seq * seq * (d_qk + d_v) / 2 * (3.5 if backward else 1.0)
+
+
+def _groups(world) -> dict:
+    """The group of each strategy; the hybrid runs on a (world/2, 2) mesh, so only from 4 GPUs on."""
+    groups = dict.fromkeys(("ring", "allgather", "ulysses"), dist.group.WORLD)
+    if world >= 4 and world % 2 == 0:
+        groups["hybrid"] = init_device_mesh(DEVICE, (world // 2, 2), mesh_dim_names=("ring", "ulysses"))
+    return groups
+
+
+def _runnable(groups, h_q, world):
+    """(strategy, group) pairs that fit h_q query heads: Ulysses splits them among all ranks."""
+    return [(s, g) for s, g in groups.items() if s != "ulysses" or h_q % world == 0]
+
+
+def _collective_median_ms(fn) -> float:
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device=DEVICE)
+    for _ in range(WARMUP):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(REPEAT)]
+    for start, end in events:
+        flush.zero_()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    median = torch.tensor([s.elapsed_time(e) for s, e in events]).median().to(DEVICE)
+    dist.all_reduce(median, op=dist.ReduceOp.MAX)
+    return median.item()
+
+
+def _fwd_and_bwd(attend, q, k, v):
+    """Callables for the forward and for forward+backward of ``attend(q, k, v) -> out``."""
+    dout = torch.randn_like(attend(q, k, v))
+    return (lambda: attend(q, k, v)), (lambda: torch.autograd.grad(attend(q, k, v), (q, k, v), dout))
+
+
+def _inputs(h_q, h_kv, d_qk, d_v, seq, dtype=torch.bfloat16, requires_grad=True):
+    shapes = ((h_q, d_qk), (h_kv, d_qk), (h_kv, d_v))
+    return [torch.randn(1, h, seq, d, device=DEVICE, dtype=dtype, requires_grad=requires_grad) for h, d in shapes]
+
+
+def _local_ms(h_q, h_kv, d_qk, d_v, seq):
+    from triton.testing import do_bench
+
+    q, k, v = _inputs(h_q, h_kv, d_qk, d_v, seq, requires_grad=False)
+    scale = d_qk ** -0.5
+    out, lse = attention_forward(q, k, v, scale=scale, is_causal=True)
+    dout = torch.randn_like(out)
+
+    def fwd_bwd():
+        o, l = attention_forward(q, k, v, scale=scale, is_causal=True)
+        return attention_backward(dout, q, k, v, o, l, scale=scale, is_causal=True)
+
+    fwd = do_bench(lambda: attention_forward(q, k, v, scale=scale, is_causal=True), return_mode="median")
+    return fwd, do_bench(fwd_bwd, return_mode="median")
+
+
+def _torch_cp_ms(mesh, h_q, h_kv, d_qk, d_v, seq, rotate):
+    """PyTorch's context_parallel on the same global problem; as in ../shared/peers/torch_context_parallel.py."""
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import set_rotate_method
+
+    set_rotate_method(rotate)
+    q, k, v = _inputs(h_q, h_kv, d_qk, d_v, seq, requires_grad=False)
+    with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2], no_restore_buffers={q, k, v}):
+        for t in (q, k, v):
+            t.requires_grad_(True)
+        fwd, fwd_bwd = _fwd_and_bwd(
+            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=h_q != h_kv), q, k, v)
+        return _collective_median_ms(fwd), _collective_median_ms(fwd_bwd)
+
+
+def _row(name, tflops, local=None, peer=None):
+    text = f"  {name:28s} {tflops[0]:7.0f} {tflops[1]:8.0f}"
+    for base in (local, peer):
+        text += f"   {tflops[0] / base[0]:5.2f} / {tflops[1] / base[1]:4.2f}" if base else f"   {'':>12s}"
+    return text
+
+
+def benchmark(seqs, groups) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch_cp_mesh = init_device_mesh(DEVICE, (world,))
+    lines = [f"context parallel, {world}x {torch.cuda.get_device_name()}, bf16, causal, batch 1. TFLOP/s per GPU; "
+             "ratios vs the single-GPU local kernels and vs the best PyTorch CP, fwd / fwd+bwd"]
+    for (config, (h_q, h_kv, d_qk, d_v)), seq in ((c, s) for c in CONFIGS.items() for s in seqs):
+        per_gpu = [_flops(h_q, seq, d_qk, d_v, bwd) / world / 1e9 for bwd in (False, True)]  # TFLOP per ms
+        lines.append(f"{f'{config}, {seq} tokens':30s} {'fwd':>7s} {'fwd+bwd':>8s}   {'vs local':>12s}   "
+                     f"{'vs torch CP':>12s}")
+        local_seq = int(seq / math.sqrt(world)) // 128 * 128
+        local_ms = _local_ms(h_q, h_kv, d_qk, d_v, local_seq)
+        local = [_flops(h_q, local_seq, d_qk, d_v, bwd) / 1e9 / ms for bwd, ms in zip((False, True), local_ms)]
+        lines.append(_row(f"local, {local_seq} tokens", local))
+        peers = []
+        for rotate in ("allgather", "alltoall"):
+            try:
+                ms = _torch_cp_ms(torch_cp_mesh, h_q, h_kv, d_qk, d_v, seq, rotate)
+            except Exception as error:  # the peer has known gaps (e.g. MLA); report them and go on
+                lines.append(f"  torch CP {rotate}: failed, {type(error).__name__}: {str(error)[:150]}")
+                continue
+            peers.append([f / t for f, t in zip(per_gpu, ms)])
+            lines.append(_row(f"torch CP {rotate}", peers[-1], local))
+        best_peer = max(peers, key=lambda p: p[1]) if peers else None
+        for strategy, group in _runnable(groups, h_q, world):
+            q, k, v = (shard_sequence(x, group).detach().requires_grad_()
+                       for x in _inputs(h_q, h_kv, d_qk, d_v, seq, requires_grad=False))
+            fwd, fwd_bwd = _fwd_and_bwd(lambda q, k, v: context_parallel_attention(
+                q, k, v, group=group, strategy=strategy, is_causal=True), q, k, v)
+            ms = _collective_median_ms(fwd), _collective_median_ms(fwd_bwd)
+            lines.append(_row(strategy, [f / t for f, t in zip(per_gpu, ms)], local, best_peer))
+    if rank == 0:
+        print("\n".join(lines), flush=True)
+
+
+def _rel_err(got, want) -> float:
+    return ((got.float() - want).norm() / want.norm()).item()
+
+
+def check(seq: int, groups) -> int:
+    """bf16 context parallel against float32 on one GPU; returns the number of failed cases."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    lines = [f"check: bf16 context parallel vs float32 single GPU, {seq} tokens, causal; relative error "
+             f"(tolerance {CHECK_TOLERANCE})", f"  {'config':16s} {'strategy':10s} {'out':>9s} {'dq':>9s} "
+                                               f"{'dk':>9s} {'dv':>9s}"]
+    failures = 0
+    for config, (h_q, h_kv, d_qk, d_v) in CONFIGS.items():
+        torch.manual_seed(0)  # the same global inputs on every rank
+        q, k, v = _inputs(h_q, h_kv, d_qk, d_v, seq, dtype=torch.float32, requires_grad=False)
+        dout = torch.randn(1, h_q, seq, d_v, device=DEVICE)
+        scale = d_qk ** -0.5
+        out, lse = attention_forward(q, k, v, scale=scale, is_causal=True)
+        want = (out, *attention_backward(dout, q, k, v, out, lse, scale=scale, is_causal=True))
+        for strategy, group in _runnable(groups, h_q, world):
+            local = [shard_sequence(x.bfloat16(), group).requires_grad_() for x in (q, k, v)]
+            out_local = context_parallel_attention(*local, group=group, strategy=strategy, is_causal=True)
+            grads = torch.autograd.grad(out_local, local, shard_sequence(dout.bfloat16(), group))
+            errors = [_rel_err(unshard_sequence(x.detach(), group), w) for x, w in zip((out_local, *grads), want)]
+            ok = max(errors) <= CHECK_TOLERANCE
+            failures += not ok
+            lines.append(f"  {config:16s} {strategy:10s} " + " ".join(f"{e:9.2e}" for e in errors)
+                         + ("" if ok else "  FAIL"))
+    if rank == 0:
+        print("\n".join(lines), flush=True)
+    return failures
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the lent machines
+    parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m attn_compile.bench cp")
+    parser.add_argument("--seq", type=int, nargs="+", default=None,
+                        help="global tokens (default 65536 131072; --check: 8192)")
+    parser.add_argument("--check", action="store_true", help="check bf16 results against float32 instead of timing")
+    args = parser.parse_args(argv)
+    if "RANK" not in os.environ:
+        parser.error("run under torchrun: the world size and ranks come from its environment")
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    try:
+        groups = _groups(dist.get_world_size())
+        if args.check:
+            return int(sum(check(seq, groups) for seq in (args.seq or [8192])) > 0)
+        benchmark(args.seq or [65536, 131072], groups)
+        return 0
+    finally:
+        dist.destroy_process_group()

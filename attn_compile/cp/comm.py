@@ -1,0 +1,91 @@
+"""The context-parallel group and the collectives the strategies are built from.
+
+A context-parallel group is a tuple of process groups: ``(group,)`` for a ProcessGroup or a
+1-D DeviceMesh, ``(outer, inner)`` for a 2-D DeviceMesh. The context-parallel rank of a
+2-D mesh is ``outer_rank * inner_size + inner_rank``, so the shards are numbered mesh-row
+by mesh-row.
+"""
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+# torch 2.13 renamed these; 2.11 has only the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def process_groups(group) -> tuple:
+    """``(group,)`` for a ProcessGroup or a 1-D DeviceMesh, ``(outer, inner)`` for a 2-D DeviceMesh."""
+    if isinstance(group, DeviceMesh):
+        if group.ndim > 2:
+            raise ValueError(f"group must be a ProcessGroup or a 1-D or 2-D DeviceMesh; got a {group.ndim}-D "
+                             "DeviceMesh")
+        return tuple(group.get_group(dim) for dim in range(group.ndim))
+    if isinstance(group, dist.ProcessGroup):
+        return (group,)
+    raise ValueError(f"group must be a ProcessGroup or a DeviceMesh; got {type(group).__name__}")
+
+
+def resolve(names: list[str]) -> tuple:
+    """The process groups the custom ops receive by name."""
+    return tuple(_resolve_process_group(name) for name in names)
+
+
+def cp_size(groups) -> int:
+    size = 1
+    for group in groups:
+        size *= group.size()
+    return size
+
+
+def cp_rank(groups) -> int:
+    rank = 0
+    for group in groups:
+        rank = rank * group.size() + group.rank()
+    return rank
+
+
+def all_gather_stacked(x: torch.Tensor, groups) -> torch.Tensor:
+    """x from every rank, stacked in context-parallel rank order: (cp, *x.shape)."""
+    x = x.unsqueeze(0).contiguous()
+    for group in reversed(groups):  # inner first, so the outer rank ends up the slower index
+        gathered = x.new_empty((group.size() * x.shape[0], *x.shape[1:]))
+        _all_gather(gathered, x, group=group)
+        x = gathered
+    return x
+
+
+def reduce_scatter_stacked(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum of x over the ranks, each rank keeping its row: x is (size, ...), the result (...)."""
+    out = x.new_empty(x.shape[1:])
+    _reduce_scatter(out, x.flatten(0, 1).contiguous(), group=group)
+    return out
+
+
+def all_to_all_stacked(x: torch.Tensor, group) -> torch.Tensor:
+    """Row j of x (size, ...) goes to rank j; row j of the result came from rank j."""
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dist.all_to_all_single(out, x.contiguous(), group=group)
+    return out
+
+
+def pass_round(tensors, group, tag: int):
+    """Posts sends of ``tensors`` to the next rank of the ring and receives of like tensors from
+    the previous one. Returns (received, works); the received tensors are valid after ``wait(works)``."""
+    size = group.size()
+    if size == 1:
+        return tuple(tensors), []
+    rank = group.rank()
+    next_peer = dist.get_global_rank(group, (rank + 1) % size)
+    prev_peer = dist.get_global_rank(group, (rank - 1) % size)
+    tensors = [t.contiguous() for t in tensors]
+    received = tuple(torch.empty_like(t) for t in tensors)
+    ops = [dist.P2POp(dist.isend, t, next_peer, group, tag) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, r, prev_peer, group, tag) for r in received]
+    return received, dist.batch_isend_irecv(ops)
+
+
+def wait(works) -> None:
+    for work in works:
+        work.wait()

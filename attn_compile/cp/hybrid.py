@@ -1,0 +1,46 @@
+"""Hybrid attention on a 2-D mesh (outer, inner): Ulysses inside the inner dim, ring across the outer.
+
+With the context-parallel rank ``outer_rank * inner_size + inner_rank``, the inner group's
+shards, joined by the Ulysses exchange, are exactly the outer rank's shard of the same layout
+over ``outer_size`` ranks: the ring runs on them unchanged.
+"""
+import torch
+from torch import Tensor
+
+from .checks import check_call
+from .comm import resolve
+from .registration import fake_grads, fake_result, register_attention_autograd
+from .ring import ring_backward, ring_forward
+from .ulysses import exchange_backward, exchange_forward
+
+
+@torch.library.custom_op("attn_cp::hybrid_attention", mutates_args=())
+def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, outer_group_name: str, inner_group_name: str, scale: float,
+                     is_causal: bool, layout: str) -> tuple[Tensor, Tensor]:
+    outer, inner = groups = resolve([outer_group_name, inner_group_name])
+    check_call(q, k, v, groups, strategy="hybrid", scale=scale, is_causal=is_causal, layout=layout,
+               head_split=inner.size())
+    return exchange_forward(q, k, v, inner, layout,
+                            lambda *qkv: ring_forward(*qkv, outer, scale, is_causal, layout))
+
+
+@hybrid_attention.register_fake
+def _(q, k, v, outer_group_name, inner_group_name, scale, is_causal, layout):
+    return fake_result(q, v)
+
+
+@torch.library.custom_op("attn_cp::hybrid_attention_backward", mutates_args=())
+def hybrid_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                              outer_group_name: str, inner_group_name: str, scale: float, is_causal: bool,
+                              layout: str) -> tuple[Tensor, Tensor, Tensor]:
+    outer, inner = resolve([outer_group_name, inner_group_name])
+    return exchange_backward(dout, q, k, v, out, lse, inner, layout,
+                             lambda *args: ring_backward(*args, outer, scale, is_causal, layout))
+
+
+@hybrid_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, outer_group_name, inner_group_name, scale, is_causal, layout):
+    return fake_grads(q, k, v)
+
+
+register_attention_autograd(hybrid_attention, hybrid_attention_backward)

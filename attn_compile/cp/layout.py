@@ -1,0 +1,81 @@
+"""Which part of the sequence each context-parallel rank holds.
+
+``zigzag`` (load-balanced): the sequence is cut into 2·cp chunks and rank r holds chunks r and
+2cp-1-r, so under a causal mask every rank has the same amount of work. ``contiguous``: the
+sequence is cut into cp chunks and rank r holds chunk r.
+"""
+import torch
+
+from .comm import all_gather_stacked, cp_rank, cp_size, process_groups
+
+LAYOUTS = ("zigzag", "contiguous")
+
+
+def check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
+
+
+def chunks_per_rank(layout: str) -> int:
+    return 2 if layout == "zigzag" else 1
+
+
+def chunk_ids(rank: int, cp: int, layout: str) -> tuple[int, ...]:
+    return (rank, 2 * cp - 1 - rank) if layout == "zigzag" else (rank,)
+
+
+def chunk_starts(rank: int, cp: int, layout: str, shard_len: int) -> list[int]:
+    """Global position of the first row of each chunk of rank's shard, in shard order."""
+    length = shard_len // chunks_per_rank(layout)
+    return [chunk * length for chunk in chunk_ids(rank, cp, layout)]
+
+
+def take_shard(x: torch.Tensor, rank: int, cp: int, layout: str, dim: int) -> torch.Tensor:
+    chunks = x.tensor_split(cp * chunks_per_rank(layout), dim)
+    return torch.cat([chunks[c] for c in chunk_ids(rank, cp, layout)], dim)
+
+
+def split_sequence(x: torch.Tensor, cp: int, layout: str, dim: int) -> list[torch.Tensor]:
+    """Every rank's shard of the whole sequence x, in rank order."""
+    return [take_shard(x, rank, cp, layout, dim) for rank in range(cp)]
+
+
+def join_shards(shards, layout: str, dim: int) -> torch.Tensor:
+    """The whole sequence from every rank's shard, given in rank order: split_sequence undone."""
+    cp, per_rank = len(shards), chunks_per_rank(layout)
+    chunks = [None] * (cp * per_rank)
+    for rank, shard in enumerate(shards):
+        for chunk, piece in zip(chunk_ids(rank, cp, layout), shard.tensor_split(per_rank, dim)):
+            chunks[chunk] = piece
+    return torch.cat(chunks, dim)
+
+
+def shard_sequence(x: torch.Tensor, group, seq_dim: int = 2, layout: str = "zigzag") -> torch.Tensor:
+    """This rank's shard of the whole sequence ``x`` (no communication; differentiable).
+
+    ``group``: a ProcessGroup or a 1-D or 2-D DeviceMesh (for the hybrid strategy)."""
+    check_layout(layout)
+    groups = process_groups(group)
+    cp = cp_size(groups)
+    multiple = cp * chunks_per_rank(layout)
+    if x.shape[seq_dim] % multiple:
+        raise ValueError(
+            f"x.shape[{seq_dim}] (the sequence length) must be a multiple of {multiple} "
+            f"({'2·cp' if layout == 'zigzag' else 'cp'} with cp={cp}) for layout={layout!r}; got {x.shape[seq_dim]}"
+        )
+    return take_shard(x, cp_rank(groups), cp, layout, seq_dim)
+
+
+def unshard_sequence(x_local: torch.Tensor, group, seq_dim: int = 2, layout: str = "zigzag") -> torch.Tensor:
+    """The whole sequence, on every rank, from each rank's shard: shard_sequence undone.
+
+    It all-gathers and is not differentiable: pass a tensor that does not require grad."""
+    check_layout(layout)
+    if x_local.requires_grad and torch.is_grad_enabled():
+        raise ValueError("x_local requires grad, but unshard_sequence is not differentiable; "
+                         "pass x_local.detach() or call it under torch.no_grad()")
+    if x_local.shape[seq_dim] % chunks_per_rank(layout):
+        raise ValueError(f"x_local.shape[{seq_dim}] (the local sequence length) must be even for layout='zigzag'; "
+                         f"got {x_local.shape[seq_dim]}")
+    groups = process_groups(group)
+    return join_shards(all_gather_stacked(x_local, groups).unbind(0), layout, seq_dim)

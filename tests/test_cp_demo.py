@@ -1,0 +1,20 @@
+"""The context-parallel demo: every strategy compiled with backend="attn_cp" matches one process."""
+import re
+
+import pytest
+
+from attn_compile.cp import demo
+
+
+def test_demo_matches_single_process(capfd):
+    assert demo.main(world=2) == 0
+    printed = capfd.readouterr().out
+    for strategy in ("ring", "allgather", "ulysses"):
+        assert re.search(rf"^{strategy} +\d\.\d\de[-+]\d\d +\d\.\d\de[-+]\d\d +\d+\.\d$", printed, re.MULTILINE), printed
+    assert "tolerance 1e-04: all match" in printed
+
+
+def test_demo_needs_a_world_that_splits_the_heads():
+    with pytest.raises(ValueError, match=r"^world must be 2, 4 or 8 \(ulysses splits the 8 query heads among the "
+                                         r"ranks\); got 3$"):
+        demo.main(world=3)

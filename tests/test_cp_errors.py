@@ -1,0 +1,97 @@
+"""Bad context-parallel calls raise a ValueError that names the argument, on every rank, before
+any collective: no rank hangs, and the group stays usable for the next call."""
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from attn_compile.cp.api import choose_strategy, context_parallel_attention as cpa
+from attn_compile.cp.layout import shard_sequence, unshard_sequence
+from dist_harness import run_distributed
+
+
+def _raises(message, fn, *args, **kwargs):
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        fn(*args, **kwargs)
+
+
+def _qkv(h_q=4, h_kv=2, s=8, s_k=None, d=16):
+    s_k = s if s_k is None else s_k
+    return torch.randn(1, h_q, s, d), torch.randn(1, h_kv, s_k, d), torch.randn(1, h_kv, s_k, d)
+
+
+def _signature(rank, s, strategy):
+    return (f"rank {rank}: q (1, 4, {s}, 16) torch.float32, k (1, 2, {s}, 16) torch.float32, v (1, 2, {s}, 16) "
+            f"torch.float32, strategy={strategy!r}, scale=0.25, is_causal=True, layout='zigzag'")
+
+
+def _check_errors(rank, world):
+    group = dist.group.WORLD
+    mesh_2d = init_device_mesh("cpu", (1, 2))
+    _raises("x.shape[2] (the sequence length) must be a multiple of 4 (2·cp with cp=2) for layout='zigzag'; got 30",
+            shard_sequence, torch.randn(1, 2, 30, 4), group)
+    _raises("x.shape[1] (the sequence length) must be a multiple of 2 (cp with cp=2) for layout='contiguous'; got 31",
+            shard_sequence, torch.randn(1, 31, 4), group, seq_dim=1, layout="contiguous")
+    _raises("x_local requires grad, but unshard_sequence is not differentiable; pass x_local.detach() or call it "
+            "under torch.no_grad()", unshard_sequence, torch.randn(1, 2, 4, 4, requires_grad=True), group)
+    _raises("x_local.shape[2] (the local sequence length) must be even for layout='zigzag'; got 5",
+            unshard_sequence, torch.randn(1, 2, 5, 4), group)
+    _raises("group must be a ProcessGroup or a DeviceMesh; got str", cpa, *_qkv(), group="world")
+    _raises("group must be a ProcessGroup or a 1-D or 2-D DeviceMesh; got a 3-D DeviceMesh",
+            cpa, *_qkv(), group=init_device_mesh("cpu", (1, 1, 2)))
+    _raises("strategy must be one of ('ring', 'allgather', 'ulysses', 'hybrid', 'auto'); got 'p2p'",
+            cpa, *_qkv(), group=group, strategy="p2p")
+    _raises("strategy='hybrid' needs group to be a 2-D DeviceMesh (outer ring dim, inner Ulysses dim); got a 1-D "
+            "group", cpa, *_qkv(), group=group, strategy="hybrid")
+    _raises("strategy='ring' needs group to be a ProcessGroup or a 1-D DeviceMesh; got a 2-D DeviceMesh (use "
+            "strategy='hybrid')", cpa, *_qkv(), group=mesh_2d, strategy="ring")
+
+    name = group.group_name
+    _raises(f"group_size must be the size of group {name!r}, 2; got 4",
+            torch.ops.attn_cp.allgather_attention, *_qkv(), name, 4, 0.25, False, "zigzag", False)
+
+    compiled_cpa = torch.compile(cpa, backend="attn_cp")
+    for strategy in ("ring", "allgather", "ulysses", "hybrid"):
+        group = mesh_2d if strategy == "hybrid" else dist.group.WORLD
+        for attention in (cpa, compiled_cpa):
+            s = 8 if rank == 0 else 6  # every rank raises, the one with the right shape too
+            _raises("q, k, v and the options must be the same on every rank of the group; got "
+                    f"{_signature(0, 8, strategy)}; {_signature(1, 6, strategy)}",
+                    attention, *_qkv(s=s), group=group, strategy=strategy, is_causal=True)
+        _raises("layout must be one of ('zigzag', 'contiguous'); got 'striped'",
+                cpa, *_qkv(), group=group, strategy=strategy, layout="striped")
+        _raises("q.shape[2] (the local sequence length) must be even for layout='zigzag': the global sequence must be "
+                "a multiple of 2·cp = 4; got 5 per rank", cpa, *_qkv(s=5), group=group, strategy=strategy)
+        _raises("q and k must have the same local sequence length (context parallelism is self-attention over one "
+                "sharded sequence); got q.shape[2]=8, k.shape[2]=4",
+                cpa, *_qkv(s_k=4), group=group, strategy=strategy)
+        _raises("q heads must be a multiple of k/v heads (GQA); got h_q=4, h_kv=3",
+                cpa, *_qkv(h_kv=3), group=group, strategy=strategy)
+        out = cpa(*_qkv(), group=group, strategy=strategy)  # the group still works after the errors
+        assert out.shape == (1, 4, 8, 16) and out.isfinite().all()
+    for strategy, group in (("ulysses", dist.group.WORLD), ("hybrid", mesh_2d)):
+        _raises(f"strategy={strategy!r} divides the query heads among 2 ranks: q.shape[1] must be a multiple of 2; "
+                "got 3", cpa, *_qkv(h_q=3, h_kv=1), group=group, strategy=strategy)
+
+
+def test_bad_calls_raise_on_every_rank():
+    run_distributed(_check_errors, 2)
+
+
+def _groups(*sizes):
+    return tuple(SimpleNamespace(size=lambda size=size: size) for size in sizes)
+
+
+@pytest.mark.parametrize("heads, cp, seq, expected", [
+    ((32, 8, 128, 128), 2, 32768, "allgather"),  # GQA: gathering the small KV once beats a merge per step
+    ((32, 32, 128, 128), 8, 2048, "ulysses"),  # heads divide, short shards: one all-to-all is cheapest
+    ((12, 12, 128, 128), 8, 32768, "ring"),  # Ulysses cannot split 12 heads 8 ways; the ring hides large KV
+])
+def test_auto_follows_the_cost_model(heads, cp, seq, expected):
+    h_q, h_kv, d_qk, d_v = heads
+    q, k, v = (torch.empty(1, h, seq, d, dtype=torch.bfloat16) for h, d in ((h_q, d_qk), (h_kv, d_qk), (h_kv, d_v)))
+    assert choose_strategy(q, k, v, _groups(cp), is_causal=True) == expected
+    assert choose_strategy(q, k, v, _groups(2, 2), is_causal=True) == "hybrid"

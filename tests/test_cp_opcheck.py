@@ -1,0 +1,47 @@
+"""torch.library.opcheck on every attn_cp context-parallel op, forward and backward, in a gloo group."""
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import attn_compile.cp.api  # noqa: F401  (registers the attn_cp context-parallel ops)
+from dist_harness import run_distributed
+
+SCALE = 0.3
+
+
+def _opcheck_all(rank, world):
+    ops = torch.ops.attn_cp
+    torch.manual_seed(0)  # the same inputs on every rank
+    mesh = init_device_mesh("cpu", (1, 2))  # ring of one across the outer dim, Ulysses across the inner
+    name = dist.group.WORLD.group_name
+    hybrid_names = tuple(mesh.get_group(dim).group_name for dim in range(2))
+    for is_causal, layout, memory in ((True, "zigzag", "BHSD"), (False, "contiguous", "BSHD")):
+        # GQA + MLA: 4/2 heads, d_qk 24, d_v 16; BSHD memory as a model's .transpose(1, 2) hands it over
+        q, k, v = (_in_memory(torch.randn(2, h, 8, d), memory).requires_grad_() for h, d in ((4, 24), (2, 24), (2, 16)))
+        for op, backward, names in ((ops.ring_attention, ops.ring_attention_backward, (name,)),
+                                    (ops.ulysses_attention, ops.ulysses_attention_backward, (name,)),
+                                    (ops.hybrid_attention, ops.hybrid_attention_backward, hybrid_names)):
+            config = (*names, SCALE, is_causal, layout)
+            torch.library.opcheck(op.default, (q, k, v, *config))
+            out, lse = op(q, k, v, *config)
+            torch.library.opcheck(backward.default, (torch.randn_like(out), *_detached(q, k, v, out), lse, *config))
+        for recompute_kv in (False, True):
+            config = (name, SCALE, is_causal, layout)
+            forward_args = (q, k, v, name, world, *config[1:], recompute_kv)
+            torch.library.opcheck(ops.allgather_attention.default, forward_args)
+            out, lse, k_all, v_all = ops.allgather_attention(*forward_args)
+            gathered = (None, None) if recompute_kv else (k_all, v_all)
+            torch.library.opcheck(ops.allgather_attention_backward.default,
+                                  (torch.randn_like(out), *_detached(q, k, v, out), lse, *gathered, *config))
+
+
+def _in_memory(x, memory):
+    return x.transpose(1, 2).contiguous().transpose(1, 2) if memory == "BSHD" else x
+
+
+def _detached(*tensors):
+    return tuple(t.detach() for t in tensors)
+
+
+def test_opcheck_every_op():
+    run_distributed(_opcheck_all, 2)
