@@ -18,9 +18,12 @@ BACKWARD_COMPUTE = 2.5  # backward FLOPs over forward FLOPs (flash attention rec
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
-    kernel_tflops: float = 550.0  # bf16 attention fwd, cuDNN on H100 (BASELINES.md: 548-618)
-    link_gbps: float = 300.0  # GB/s each way per GPU for p2p and collectives over NVLink
-    a2a_efficiency: float = 0.8  # all-to-all reaches this fraction of link_gbps
+    # Measured 2026-11-22 (BENCHMARKS.md): cuDNN causal fwd 548-618 TFLOP/s on H100 and H200;
+    # `bench cp --links` on 2x H200 NVLink: ring pass 306 GB/s, all-gather 259, all-to-all 287.
+    kernel_tflops: float = 550.0
+    link_gbps: float = 306.0  # each way per GPU, batched isend/irecv
+    allgather_efficiency: float = 0.85  # all-gather reaches this fraction of link_gbps
+    a2a_efficiency: float = 0.94  # all-to-all likewise
     memory_gbps: float = 3000.0  # HBM, for the fp32 merge of partial outputs
     step_overhead_s: float = 30e-6  # launches and synchronisation of one ring step
 
@@ -97,7 +100,7 @@ def estimate(strategy: str, p: Problem, hw: Hardware = Hardware()) -> Estimate:
     elif strategy == "allgather":
         # all-gather of KV in forward, again in backward (recomputed), reduce-scatter of dKV
         gathered = p.kv_bytes(p.h_kv) * p.cp
-        transfer = 3 * gathered * (p.cp - 1) / p.cp / (hw.link_gbps * 1e9)
+        transfer = 3 * gathered * (p.cp - 1) / p.cp / (hw.link_gbps * hw.allgather_efficiency * 1e9)
         time, memory = total_compute + transfer, 2 * gathered
     elif strategy == "ulysses":
         transfer = _a2a_seconds(p, hw, p.cp)

@@ -47,7 +47,7 @@ def test_causal_is_half_the_work_of_full():
 
 
 def test_faster_links_shrink_transfer_only():
-    p, fast = _problem(), Hardware(link_gbps=600.0)
+    p, fast = _problem(), Hardware(link_gbps=612.0)
     slow_est, fast_est = estimate("allgather", p), estimate("allgather", p, fast)
     assert fast_est.transfer_s == pytest.approx(slow_est.transfer_s / 2)
     assert fast_est.compute_s == slow_est.compute_s

@@ -13,6 +13,9 @@ counts, and every rank reports the slowest rank's median.
 
 ``--check``: bf16 context-parallel output and gradients against float32 single-GPU results,
 relative error (norm of error / norm of reference) at most 2.5e-2.
+
+``--links``: GB/s each way per GPU of a ring pass (batched isend/irecv), an all-gather and an
+all-to-all of 256 MiB per rank: the figures behind ``cost_model.Hardware``.
 """
 import argparse
 import math
@@ -26,6 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from attn_compile.kernels import attention_backward, attention_forward
 
 from .api import context_parallel_attention
+from .comm import all_gather_stacked, all_to_all_stacked, pass_round, wait
 from .layout import shard_sequence, unshard_sequence
 
 CONFIGS = {  # name: (h_q, h_kv, d_qk, d_v)
@@ -185,12 +189,29 @@ def check(seq: int, groups) -> int:
     return failures
 
 
+def link_bandwidth() -> None:
+    """GB/s each way per GPU: bytes a rank sends (and receives) over the median time."""
+    world, group = dist.get_world_size(), dist.group.WORLD
+    x = torch.randn(128 * 2**20 // 2 * world, device=DEVICE, dtype=torch.bfloat16)  # 256 MiB per rank
+    moves = {
+        "ring pass (isend/irecv)": (lambda: wait(pass_round((x,), group, 0)[1]), x.numel() * 2),
+        "all-gather": (lambda: all_gather_stacked(x, (group,)), x.numel() * 2 * (world - 1)),
+        "all-to-all": (lambda: all_to_all_stacked(x.view(world, -1), group), x.numel() * 2 * (world - 1) / world),
+    }
+    lines = [f"links, {world}x {torch.cuda.get_device_name()}: GB/s each way per GPU, 256 MiB per rank"]
+    for name, (move, sent_bytes) in moves.items():
+        lines.append(f"  {name:26s} {sent_bytes / (_collective_median_ms(move) * 1e6):8.1f}")
+    if dist.get_rank() == 0:
+        print("\n".join(lines), flush=True)
+
+
 def main(argv=None) -> int:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the lent machines
     parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m attn_compile.bench cp")
     parser.add_argument("--seq", type=int, nargs="+", default=None,
                         help="global tokens (default 65536 131072; --check: 8192)")
     parser.add_argument("--check", action="store_true", help="check bf16 results against float32 instead of timing")
+    parser.add_argument("--links", action="store_true", help="measure link bandwidth instead of attention")
     args = parser.parse_args(argv)
     if "RANK" not in os.environ:
         parser.error("run under torchrun: the world size and ranks come from its environment")
@@ -200,6 +221,9 @@ def main(argv=None) -> int:
         groups = _groups(dist.get_world_size())
         if args.check:
             return int(sum(check(seq, groups) for seq in (args.seq or [8192])) > 0)
+        if args.links:
+            link_bandwidth()
+            return 0
         benchmark(args.seq or [65536, 131072], groups)
         return 0
     finally:
