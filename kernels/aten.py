@@ -1,7 +1,8 @@
 """PyTorch's fused CUDA attention kernels that return the LSE: cuDNN, flash (FA2) and efficient.
 
 Each is used only through ``supports``: a kernel is never handed a shape or an argument it
-cannot take. None of them takes a window or position offsets, so those always go elsewhere.
+cannot take. None of them takes a window, a mask or position offsets that matter, so the
+mask arguments other than ``is_causal`` reach them only at values that change nothing.
 """
 import torch
 
@@ -45,12 +46,12 @@ class Cudnn:
         )
 
     @staticmethod
-    def forward(q, k, v, scale, is_causal):
+    def forward(q, k, v, *, scale, is_causal=False, **_trivial_masking):
         out, lse, *_ = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, is_causal, False, scale=scale)
         return out, lse.reshape(q.shape[:-1])
 
     @staticmethod
-    def backward(dout, q, k, v, out, lse, scale, is_causal):
+    def backward(dout, q, k, v, out, lse, *, scale, is_causal=False, **_trivial_masking):
         # Undefined (None) cumulative lengths: defined ones would select cuDNN's packed (varlen) path.
         empty = q.new_empty(0)
         lse = lse.reshape(*q.shape[:-1], 1).contiguous()
@@ -71,12 +72,12 @@ class Flash:
         )
 
     @staticmethod
-    def forward(q, k, v, scale, is_causal):
+    def forward(q, k, v, *, scale, is_causal=False, **_trivial_masking):
         out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
         return out, lse
 
     @staticmethod
-    def backward(dout, q, k, v, out, lse, scale, is_causal):
+    def backward(dout, q, k, v, out, lse, *, scale, is_causal=False, **_trivial_masking):
         empty = q.new_empty(0)
         return aten._scaled_dot_product_flash_attention_backward(
             _like(dout, out), q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, is_causal,
@@ -95,12 +96,12 @@ class Efficient:
         )
 
     @staticmethod
-    def forward(q, k, v, scale, is_causal):
+    def forward(q, k, v, *, scale, is_causal=False, **_trivial_masking):
         out, lse, _, _ = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, is_causal, scale=scale)
         return out, lse[..., : q.shape[2]]
 
     @staticmethod
-    def backward(dout, q, k, v, out, lse, scale, is_causal):
+    def backward(dout, q, k, v, out, lse, *, scale, is_causal=False, **_trivial_masking):
         empty = q.new_empty(0)
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
             _like(dout, out), q, k, v, None, out, lse.contiguous(), empty, empty, 0.0, [True, True, True, False],

@@ -1,9 +1,10 @@
 """The one place that decides which kernel runs an attention call.
 
 The choice depends only on the call's metadata (see ``Problem``), so forward and backward,
-every rank, and ``explain`` all agree on it. The fused aten kernels are tried in order of
-measured speed (../shared/BASELINES.md: cuDNN > flash > efficient on H100); the reference
-takes everything else.
+every rank, and ``explain`` all agree on it. Kernels are tried in order of measured speed
+(BENCHMARKS.md, H100: cuDNN > Triton > flash > efficient); the reference takes everything
+else. Triton is the fused kernel for windows and position offsets (ring steps), which none of
+the aten kernels take.
 
 Mask arguments, shared by every function here: ``is_causal`` (key j visible to query i when
 j <= i), ``window=(left, right)`` (i-left <= j <= i+right, -1 unbounded), ``attn_mask`` (bool,
@@ -14,7 +15,12 @@ from . import reference
 from .aten import Cudnn, Efficient, Flash
 from .problem import Problem
 
-FUSED = (Cudnn, Flash, Efficient)
+try:
+    from .triton_attention import Triton
+except ImportError:  # triton is a Linux-only dependency
+    Triton = None
+
+FUSED = tuple(kernel for kernel in (Cudnn, Triton, Flash, Efficient) if kernel is not None)
 REFERENCE = "reference"
 
 
@@ -24,7 +30,7 @@ def _fused_kernel(q, k, v, masking):
 
 
 def select_kernel(q, k, v, **masking) -> str:
-    """Name of the kernel that runs this call: 'cudnn', 'flash', 'efficient' or 'reference'."""
+    """Name of the kernel that runs this call: 'cudnn', 'triton', 'flash', 'efficient' or 'reference'."""
     kernel = _fused_kernel(q, k, v, masking)
     return kernel.name if kernel else REFERENCE
 
@@ -33,7 +39,7 @@ def attention_forward(q, k, v, *, scale, **masking):
     """(out, lse): out (B, h_q, S_q, d_v) in q's dtype, lse (B, h_q, S_q) float32 (float64 for float64 q)."""
     kernel = _fused_kernel(q, k, v, masking)
     if kernel is not None:
-        return kernel.forward(q, k, v, scale, masking.get("is_causal", False))
+        return kernel.forward(q, k, v, scale=scale, **masking)
     return reference.attention_forward(q, k, v, scale=scale, **masking)
 
 
@@ -42,5 +48,5 @@ def attention_backward(dout, q, k, v, out, lse, *, scale, **masking):
     the gradients are then this call's share."""
     kernel = _fused_kernel(q, k, v, masking)
     if kernel is not None:
-        return kernel.backward(dout, q, k, v, out, lse, scale, masking.get("is_causal", False))
+        return kernel.backward(dout, q, k, v, out, lse, scale=scale, **masking)
     return reference.attention_backward(dout, q, k, v, out, lse, scale=scale, **masking)

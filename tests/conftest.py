@@ -1,5 +1,17 @@
-import pytest
-import torch
+import os
+import tempfile
+
+# A fresh Inductor cache for every test session: a cache left by an older checkout of the ops
+# could hand back compiled code that calls them with an outdated schema.
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="attn_compile_inductor_")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# Without a GPU the Triton kernels run in Triton's interpreter; it must be chosen before anything
+# (attn_compile.kernels, torch._dynamo.testing) imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import attn_compile  # noqa: F401
-from attn_compile.kernels import select_kernel
+from attn_compile.kernels import dispatch, select_kernel
+from attn_compile.kernels.aten import Cudnn, Efficient, Flash
 from oracle import naive_attention, rel_err
 
 pytestmark = pytest.mark.gpu
@@ -52,9 +53,12 @@ def test_bf16_against_float64(shape, mask):
 
 @pytest.mark.parametrize("backend", ["cudnn", "flash", "efficient"])
 @pytest.mark.parametrize("mask", ["full", "causal"])
-def test_each_fused_kernel_when_it_is_the_one_enabled(backend, mask):
-    """SDPA's backend switches steer the dispatch too: each fused kernel is checked on its own."""
+def test_each_fused_kernel_when_it_is_the_one_enabled(backend, mask, monkeypatch):
+    """SDPA's backend switches steer the aten kernels: each is checked on its own, with the Triton
+    kernel (which those switches do not govern) taken out of the dispatch."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    monkeypatch.setattr(dispatch, "FUSED", (Cudnn, Flash, Efficient))
 
     chosen = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
               "efficient": SDPBackend.EFFICIENT_ATTENTION}[backend]
@@ -76,3 +80,5 @@ def test_plain_shapes_use_fused_kernels():
     assert select_kernel(q, k, v, is_causal=True) == "cudnn"
     q, k, v, _ = _case("mla 8h 192/128", "full")
     assert select_kernel(q, k, v) == "cudnn"
+    assert select_kernel(q, k, v, window=(32, 0)) == "triton"
+    assert select_kernel(q, k, v, is_causal=True, q_offset=64) == "triton"

@@ -1,0 +1,276 @@
+"""Throughput of the Triton attention kernels beside cuDNN SDPA, flash SDPA and compiled
+flex_attention, forward and backward, on one GPU, in bf16.
+
+TFLOP/s count useful work: 2 * B * H_q * (visible query-key pairs) * (d_qk + d_v) for the
+forward, 2.5 times that for the backward (causal S x S counts S(S+1)/2 pairs, within 0.01% of
+the S^2/2 of ../shared/BASELINES.md). Times are medians of triton.testing.do_bench. The SDPA
+backends run the shapes SDPA can express; flex_attention runs the others (on the rest cuDNN is
+the peer to beat; ``--flex-everywhere`` adds them, at a minute of compiling each). A peer that
+cannot express a shape shows '-'; one that fails shows 'ERR'.
+
+    python -m attn_compile.kernels.bench_kernels [--peers cudnn,flash,flex] [--flex-everywhere]
+                                                 [--only NAME ...] [--plot out.png]
+"""
+import argparse
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench
+
+from . import triton_attention
+from .visibility import effective_window
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    h_q: int
+    h_kv: int
+    s: int
+    d_qk: int = 128
+    d_v: int = 128
+    is_causal: bool = True
+    window: tuple = (-1, -1)
+    q_offset: int = 0
+    k_offset: int = 0
+    documents: tuple = ()  # varlen: packed documents of these lengths, summing to s
+
+    @property
+    def plain(self) -> bool:
+        """Expressible by SDPA's is_causal alone."""
+        return self.window == (-1, -1) and self.q_offset == self.k_offset and not self.documents
+
+    def pairs(self) -> int:
+        """Visible query-key pairs."""
+        if self.documents:
+            return sum(Shape("", 1, 1, n, is_causal=self.is_causal, window=self.window).pairs() for n in self.documents)
+        left, right = effective_window(self.is_causal, self.window)
+        i = torch.arange(self.s, dtype=torch.int64) + self.q_offset
+        first = i - left if left != -1 else torch.full_like(i, self.k_offset)
+        last = i + right if right != -1 else torch.full_like(i, self.k_offset + self.s - 1)
+        first, last = first.clamp(min=self.k_offset), last.clamp(max=self.k_offset + self.s - 1)
+        return int((last - first + 1).clamp(min=0).sum())
+
+    def flops(self) -> float:
+        return 2.0 * self.h_q * self.pairs() * (self.d_qk + self.d_v)
+
+
+S = 8192
+DOCUMENTS = (8192, 4096, 6144, 2048, 1024, 512, 7168, 1536, 2048)
+SHAPES = (
+    Shape("MHA 32h d128 causal", 32, 32, S),
+    Shape("MHA 32h d128 full", 32, 32, S, is_causal=False),
+    Shape("GQA 32/8 d128 causal", 32, 8, S),
+    Shape("MLA 16h 192/128 causal", 16, 16, S, 192, 128),
+    Shape("GQA+MLA 64/4 192/128 causal S4K", 64, 4, 4096, 192, 128),
+    Shape("window 1024 32h d128", 32, 32, S, window=(1023, -1)),
+    Shape("varlen 9 docs 32K MLA 16h 192/128", 16, 16, sum(DOCUMENTS), 192, 128, documents=DOCUMENTS),
+    Shape("ring step: causal, offset half a tile", 32, 32, S, q_offset=S + 64, k_offset=S),
+)
+
+
+def _inputs(shape: Shape):
+    """q, k, v, dout in (1, H, S, D), bf16, random."""
+    def randn(h, d):
+        return torch.randn(1, h, shape.s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    return randn(shape.h_q, shape.d_qk), randn(shape.h_kv, shape.d_qk), randn(shape.h_kv, shape.d_v), \
+        randn(shape.h_q, shape.d_v).detach()
+
+
+def _triton(shape, q, k, v):
+    scale = shape.d_qk ** -0.5
+    masking = dict(scale=scale, is_causal=shape.is_causal, window=shape.window)
+    q, k, v = (x.detach() for x in (q, k, v))
+    if shape.documents:
+        cu = torch.tensor((0, *shape.documents), device="cuda").cumsum(0).int()
+        lengths = (cu, cu, max(shape.documents), max(shape.documents))
+        q, k, v = (x[0].transpose(0, 1).contiguous() for x in (q, k, v))  # packed (total, H, D)
+
+        def forward():
+            return triton_attention.varlen_forward(q, k, v, *lengths, **masking)
+
+        def backward(dout, out, lse):
+            return triton_attention.varlen_backward(dout, q, k, v, out, lse, *lengths, **masking)
+    else:
+        masking.update(q_offset=shape.q_offset, k_offset=shape.k_offset)
+
+        def forward():
+            return triton_attention.attention_forward(q, k, v, **masking)
+
+        def backward(dout, out, lse):
+            return triton_attention.attention_backward(dout, q, k, v, out, lse, **masking)
+    return forward, backward
+
+
+def _sdpa(backend):
+    def make(shape, q, k, v):
+        def forward():
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=shape.is_causal, scale=shape.d_qk ** -0.5,
+                                                      enable_gqa=shape.h_q != shape.h_kv)
+        return forward
+    return make
+
+
+def _flex(shape, q, k, v):
+    import torch._functorch.config
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    left, right = effective_window(shape.is_causal, shape.window)
+    shift = shape.k_offset - shape.q_offset
+    document = None
+    if shape.documents:
+        lengths = torch.tensor(shape.documents, device="cuda")
+        document = torch.repeat_interleave(torch.arange(len(shape.documents), device="cuda"), lengths)
+
+    def visible(b, h, q_idx, kv_idx):
+        dist = kv_idx + shift - q_idx
+        ok = q_idx >= 0
+        if right != -1:
+            ok = ok & (dist <= right)
+        if left != -1:
+            ok = ok & (dist >= -left)
+        if document is not None:
+            ok = ok & (document[q_idx] == document[kv_idx])
+        return ok
+
+    block_mask = create_block_mask(visible, None, None, shape.s, shape.s)
+    torch._functorch.config.donated_buffer = False  # the backward is timed again and again, with retain_graph
+    compiled = torch.compile(flex_attention)
+
+    def forward():
+        return compiled(q, k, v, block_mask=block_mask, scale=shape.d_qk ** -0.5, enable_gqa=shape.h_q != shape.h_kv)
+    return forward
+
+
+PEERS = {"cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION), "flash": _sdpa(SDPBackend.FLASH_ATTENTION), "flex": _flex}
+
+
+def _median_ms(fn) -> float:
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _runs(peer, shape, flex_everywhere):
+    """The SDPA backends take the shapes is_causal expresses, flex_attention the others."""
+    return (flex_everywhere or not shape.plain) if peer == "flex" else shape.plain
+
+
+def _error(error) -> str:
+    return f"ERR {type(error).__name__}: {str(error).splitlines()[0][:60]}"
+
+
+def _measure_peer(make, shape, q, k, v, dout):
+    """(fwd ms, bwd ms); a direction that fails holds its error message instead: a peer's
+    failure is a result to report, not a reason to stop."""
+    try:
+        forward = make(shape, q, k, v)
+        out = forward()
+        fwd = _median_ms(forward)
+    except Exception as error:
+        return _error(error), _error(error)
+    try:
+        return fwd, _median_ms(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
+    except Exception as error:
+        return fwd, _error(error)
+
+
+def measure(shape: Shape, peers, flex_everywhere=False):
+    """{kernel: None where it does not run the shape, else (fwd, bwd) TFLOP/s or error strings}."""
+    torch.manual_seed(0)
+    q, k, v, dout = _inputs(shape)
+    forward, backward = _triton(shape, q, k, v)
+    out, lse = forward()
+    packed_dout = dout[0].transpose(0, 1).contiguous() if shape.documents else dout
+    times = {"triton": (_median_ms(forward), _median_ms(lambda: backward(packed_dout, out, lse)))}
+    for name in peers:
+        times[name] = _measure_peer(PEERS[name], shape, q, k, v, dout) if _runs(name, shape, flex_everywhere) else None
+    flops = (shape.flops(), 2.5 * shape.flops())
+    return {name: None if t is None else tuple(f / ms / 1e9 if isinstance(ms, float) else ms for f, ms in zip(flops, t))
+            for name, t in times.items()}
+
+
+def _rate(result, index):
+    """TFLOP/s of one direction, or None where the kernel did not run or failed."""
+    value = None if result is None else result[index]
+    return None if isinstance(value, str) else value
+
+
+def _cell(result, index):
+    if result is None:
+        return "-"
+    return "ERR" if _rate(result, index) is None else f"{result[index]:.0f}"
+
+
+def _ratio(results, index):
+    peers = [_rate(r, index) for name, r in results.items() if name != "triton" and _rate(r, index) is not None]
+    return f"{results['triton'][index] / max(peers):.2f}" if peers else "-"
+
+
+def table(rows, peers) -> str:
+    kernels = ["triton", *peers]
+    head = ["shape", *(f"{k} fwd" for k in kernels), "fwd vs best", *(f"{k} bwd" for k in kernels), "bwd vs best"]
+    lines = [head]
+    for shape, results in rows:
+        lines.append([shape.name, *(_cell(results[k], 0) for k in kernels), _ratio(results, 0),
+                      *(_cell(results[k], 1) for k in kernels), _ratio(results, 1)])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    text = [" | ".join(cell.ljust(w) for cell, w in zip(line, widths)) for line in lines]
+    text.insert(1, "-|-".join("-" * w for w in widths))
+    errors = [f"{shape.name} / {kernel} {direction}: {value}" for shape, results in rows
+              for kernel, result in results.items() if result is not None
+              for direction, value in zip(("fwd", "bwd"), result) if isinstance(value, str)]
+    return "\n".join(text + errors)
+
+
+def plot(rows, peers, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kernels = ["triton", *peers]
+    fig, axes = plt.subplots(1, 2, figsize=(16, 6), sharey=True)
+    width = 0.8 / len(kernels)
+    for index, (axis, title) in enumerate(zip(axes, ("forward", "backward"))):
+        for n, kernel in enumerate(kernels):
+            values = [_rate(r[kernel], index) or 0.0 for _, r in rows]
+            axis.bar([i + n * width for i in range(len(rows))], values, width, label=kernel)
+        axis.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))], [s.name for s, _ in rows], rotation=60,
+                        ha="right", fontsize=7)
+        axis.set_title(f"{title}, TFLOP/s")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="bench kernels", description=__doc__.splitlines()[0])
+    parser.add_argument("--peers", default="cudnn,flash,flex", help="comma-separated subset of " + ",".join(PEERS))
+    parser.add_argument("--flex-everywhere", action="store_true", help="run flex_attention on SDPA's shapes too")
+    parser.add_argument("--only", nargs="*", default=(), help="run only shapes whose name contains one of these")
+    parser.add_argument("--plot", help="also draw the table into this PNG (needs matplotlib)")
+    args = parser.parse_args(argv)
+    peers = [p for p in args.peers.split(",") if p]
+    unknown = set(peers) - set(PEERS)
+    if unknown:
+        parser.error(f"--peers: unknown {sorted(unknown)}")
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", __import__("triton").__version__)
+    rows = []
+    for shape in SHAPES:
+        if args.only and not any(word in shape.name for word in args.only):
+            continue
+        results = measure(shape, peers, args.flex_everywhere)
+        rows.append((shape, results))
+        print(shape.name, "fwd/bwd:", ", ".join(f"{k} {_cell(r, 0)}/{_cell(r, 1)}" for k, r in results.items()),
+              flush=True)
+        torch.cuda.empty_cache()
+    print(table(rows, peers))
+    if args.plot:
+        plot(rows, peers, args.plot)
+
+
+if __name__ == "__main__":
+    main()

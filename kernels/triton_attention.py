@@ -1,0 +1,200 @@
+"""Flash attention in Triton, behind one op boundary: this module checks the arguments, folds
+the masks and position offsets into the kernels' reaches, and lays tensors out for the kernels
+of triton_forward.py, triton_backward.py and triton_merge.py.
+
+- ``attention_forward`` / ``attention_backward``: (B, H, S, D) tensors and the signature of
+  reference.py. GQA is native, d_qk and d_v are independent (each up to 256), and causal and
+  window masks are decided on global positions (``q_offset + i``, ``k_offset + j``), so a ring
+  step or a zigzag chunk is one call. The backward takes the final, possibly merged, out and
+  LSE and returns this call's share of the gradients.
+- ``varlen_forward`` / ``varlen_backward``: packed (total, H, D) documents with int32
+  cumulative lengths starting at 0. Each document starts at position 0 in q and in k (causal
+  is top-left aligned, as in SDPA). The LSE is (total_q, H), lined up with out.
+- ``merge_forward``: one (out, lse) pair from two over disjoint key sets.
+- ``Triton``: the kernels as dispatch.py sees a kernel.
+
+Rows that see no key give output 0, LSE -inf and zero gradients. float32 inputs use TF32 dots
+on the GPU (relative error near 1e-3) and exact float32 under TRITON_INTERPRET=1.
+"""
+import torch
+
+from .problem import Problem
+from .triton_backward import backward
+from .triton_forward import forward
+from .triton_merge import merge
+from .triton_tiles import MAX_SPAN, UNBOUNDED
+from .visibility import effective_window
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+def supports(p: Problem) -> bool:
+    """CUDA on Ampere or newer (bf16 dots), no tensor or key padding mask, head dims up to 256."""
+    return (
+        p.device_type == "cuda" and not p.has_mask and not p.has_key_padding and p.dtype in DTYPES
+        and p.d_qk <= MAX_HEAD_DIM and p.d_v <= MAX_HEAD_DIM
+        and torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
+    )
+
+
+def _unit_last(*tensors):
+    """The kernels take any strides but a unit one in the last dim."""
+    return tuple(x if x.stride(-1) == 1 else x.contiguous() for x in tensors)
+
+
+def _check_inputs(q, k, v, packed=False):
+    """q, k, v as (B, H, S, D), or (total, H, D) when ``packed``."""
+    layout = "(total, H, D)" if packed else "(B, H, S, D)"
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != (3 if packed else 4):
+            raise ValueError(f"{name}: expected {layout}, got shape {tuple(x.shape)}")
+        if x.dtype != q.dtype or x.dtype not in DTYPES:
+            raise ValueError(f"{name}: dtype {x.dtype}; q, k and v share one of float16, bfloat16, float32")
+        if x.device != q.device:
+            raise ValueError(f"{name}: on {x.device}, q on {q.device}")
+        if not 0 < x.shape[-1] <= MAX_HEAD_DIM:
+            raise ValueError(f"{name}: head dim {x.shape[-1]} outside 1..{MAX_HEAD_DIM}")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k: head dim {k.shape[-1]} differs from q's {q.shape[-1]}")
+    if v.shape[:-1] != k.shape[:-1]:
+        raise ValueError(f"v: shape {tuple(v.shape)} does not match k's {tuple(k.shape)} but in the last dim")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"k: {k.shape[1]} heads do not divide q's {q.shape[1]}")
+    if not packed and k.shape[0] != q.shape[0]:
+        raise ValueError(f"k: batch {k.shape[0]} differs from q's {q.shape[0]}")
+    return _unit_last(q, k, v)
+
+
+def _check_result(dout, out, lse, q, v):
+    """out and dout shaped like q but with v's head dim, dout in q's dtype; lse shaped like q
+    without the head dim. out (merged, say) and lse may come in any float dtype."""
+    want = (*q.shape[:-1], v.shape[-1])
+    for name, x in (("dout", dout), ("out", out)):
+        if tuple(x.shape) != want:
+            raise ValueError(f"{name}: expected shape {want}, got {tuple(x.shape)}")
+    if dout.dtype != q.dtype:
+        raise ValueError(f"dout: dtype {dout.dtype} differs from q's {q.dtype}")
+    if tuple(lse.shape) != tuple(q.shape[:-1]):
+        raise ValueError(f"lse: expected shape {tuple(q.shape[:-1])}, got {tuple(lse.shape)}")
+    return _unit_last(dout, out)
+
+
+def _reaches(is_causal, window, q_offset, k_offset, longest):
+    """(before, after) of triton_tiles: query i sees key j when i - before <= j <= i + after."""
+    if len(window) != 2 or any(not isinstance(w, int) or w < -1 for w in window):
+        raise ValueError(f"window: expected (left, right), each -1 or a distance >= 0, got {window}")
+    shift = k_offset - q_offset
+    if abs(shift) + longest >= MAX_SPAN:
+        raise ValueError(f"q_offset, k_offset: positions {q_offset} and {k_offset} lie too far apart")
+    left, right = (UNBOUNDED if w == -1 else min(w, UNBOUNDED) for w in effective_window(is_causal, tuple(window)))
+    return left + shift, right - shift
+
+
+def _check_scale_and_masks(scale, attn_mask=None, key_padding_mask=None):
+    if not scale > 0:
+        raise ValueError(f"scale: {scale}; the kernels take the row maximum before scaling, so it must be positive")
+    for name, mask in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
+        if mask is not None:
+            raise ValueError(f"{name}: the Triton kernels take causal and window masks only (see supports)")
+
+
+def _new_rows(like, d):
+    """An empty (..., d) tensor whose leading dims lie in memory in ``like``'s order, as SDPA's
+    output follows the query's layout."""
+    order = sorted(range(like.dim() - 1), key=like.stride, reverse=True)
+    empty = like.new_empty([like.shape[i] for i in order] + [d])
+    return empty.permute(*(order.index(i) for i in range(len(order))), len(order))
+
+
+def attention_forward(q, k, v, *, scale, is_causal=False, window=(-1, -1), attn_mask=None, key_padding_mask=None,
+                      q_offset=0, k_offset=0):
+    """Returns (out (B, h_q, S_q, d_v) in q's dtype, lse (B, h_q, S_q) float32)."""
+    _check_scale_and_masks(scale, attn_mask, key_padding_mask)
+    q, k, v = _check_inputs(q, k, v)
+    before, after = _reaches(is_causal, window, q_offset, k_offset, max(q.shape[2], k.shape[2]))
+    out = _new_rows(q, v.shape[-1])
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    forward(q, k, v, out, lse, None, None, q.shape[2], k.shape[2], scale, before, after)
+    return out, lse
+
+
+def attention_backward(dout, q, k, v, out, lse, *, scale, is_causal=False, window=(-1, -1), attn_mask=None,
+                       key_padding_mask=None, q_offset=0, k_offset=0):
+    """(dq, dk, dv) given the final out and lse, which may merge this call with others."""
+    _check_scale_and_masks(scale, attn_mask, key_padding_mask)
+    q, k, v = _check_inputs(q, k, v)
+    dout, out = _check_result(dout, out, lse, q, v)
+    before, after = _reaches(is_causal, window, q_offset, k_offset, max(q.shape[2], k.shape[2]))
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    backward(dout, q, k, v, out, lse, dq, dk, dv, None, None, q.shape[2], k.shape[2], scale, before, after)
+    return dq, dk, dv
+
+
+def _check_documents(cu_seqlens_q, cu_seqlens_k):
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
+            raise ValueError(f"{name}: expected int32 (documents + 1,) starting at 0, got {cu.dtype} {tuple(cu.shape)}")
+    if cu_seqlens_k.numel() != cu_seqlens_q.numel():
+        raise ValueError(f"cu_seqlens_k: {cu_seqlens_k.numel() - 1} documents, cu_seqlens_q {cu_seqlens_q.numel() - 1}")
+    return cu_seqlens_q.numel() - 1
+
+
+def _documents(x, n):
+    """(total, H, ...) -> (n, H, total, ...) with batch stride 0: each document finds its rows
+    through cu_seqlens."""
+    x = x.transpose(0, 1)
+    return x.unsqueeze(0).expand(n, *x.shape)
+
+
+def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale, is_causal=False,
+                   window=(-1, -1)):
+    """Returns (out (total_q, h_q, d_v) in q's dtype, lse (total_q, h_q) float32)."""
+    _check_scale_and_masks(scale)
+    q, k, v = _check_inputs(q, k, v, packed=True)
+    n = _check_documents(cu_seqlens_q, cu_seqlens_k)
+    before, after = _reaches(is_causal, window, 0, 0, max(max_seqlen_q, max_seqlen_k))
+    out = q.new_empty(*q.shape[:-1], v.shape[-1])
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    forward(*(_documents(x, n) for x in (q, k, v, out, lse)), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            scale, before, after)
+    return out, lse
+
+
+def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale,
+                    is_causal=False, window=(-1, -1)):
+    """(dq, dk, dv) of ``varlen_forward``, given its (possibly merged) out and lse."""
+    _check_scale_and_masks(scale)
+    q, k, v = _check_inputs(q, k, v, packed=True)
+    dout, out = _check_result(dout, out, lse, q, v)
+    n = _check_documents(cu_seqlens_q, cu_seqlens_k)
+    before, after = _reaches(is_causal, window, 0, 0, max(max_seqlen_q, max_seqlen_k))
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    backward(*(_documents(x, n) for x in (dout, q, k, v, out, lse, dq, dk, dv)), cu_seqlens_q, cu_seqlens_k,
+             max_seqlen_q, max_seqlen_k, scale, before, after)
+    return dq, dk, dv
+
+
+def merge_forward(out_a, lse_a, out_b, lse_b):
+    """(out, lse) of attention over the union of two disjoint key sets, from each set's result.
+    Each lse is shaped like its out without the last dim ((B, H, S) or, varlen, (total, H));
+    out comes in the promoted dtype of the two, lse in float32."""
+    if out_b.shape != out_a.shape or not 2 <= out_a.dim() <= 4:
+        raise ValueError(f"out_b: shape {tuple(out_b.shape)}; expected out_a's {tuple(out_a.shape)}, 2 to 4 dims")
+    for name, lse in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if lse.shape != out_a.shape[:-1]:
+            raise ValueError(f"{name}: shape {tuple(lse.shape)}; expected {tuple(out_a.shape[:-1])}")
+    out_a, out_b = _unit_last(out_a, out_b)
+    out = torch.empty_like(out_a, dtype=torch.promote_types(out_a.dtype, out_b.dtype))
+    lse = torch.empty(lse_a.shape, dtype=torch.float32, device=lse_a.device)
+    leading = (None,) * (4 - out.dim())
+    merge(out_a[leading], lse_a.contiguous(), out_b[leading], lse_b.contiguous(), out[leading], lse)
+    return out, lse
+
+
+class Triton:
+    """The kernels as dispatch.py sees one; forward and backward take every mask argument."""
+    name = "triton"
+    supports = staticmethod(supports)
+    forward = staticmethod(attention_forward)
+    backward = staticmethod(attention_backward)

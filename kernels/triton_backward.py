@@ -1,0 +1,250 @@
+"""Flash attention backward in Triton, in two deterministic kernels that recompute P from the
+given LSE (which may merge several calls, so each call gets exactly its share):
+
+- ``_dq_kernel``: one program per (query block, query head, sequence) walks its key tiles for
+  dQ; it also writes delta = rowsum(dO * O), which the second kernel reads.
+- ``_dkdv_kernel``: one program per (key block, KV head, sequence) walks the query tiles of
+  every query head in its group, so dK and dV are summed over the group without atomics.
+  When a few KV heads would leave the GPU idle, the group is split over several programs
+  whose float32 partial sums are added afterwards.
+
+Layouts are those of triton_forward.py. Masked pairs and rows with LSE -inf get P = 0.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .triton_tiles import (LOG2E, autotune, head_blocks, head_start, load_tile, sequence, store_tile, tile_ranges,
+                           visible)
+
+
+@triton.jit
+def _log2_lse(lse_ptrs, ok):
+    """The LSE in base 2, +inf where a row saw nothing, so exp2(s - lse) is 0 there."""
+    lse = tl.load(lse_ptrs, mask=ok, other=float("-inf"))
+    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+
+
+@triton.jit
+def _dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, rows, cols, tile_lo, tile_hi, seqlen_k, before, after,
+              qk_scale, stride_ks, stride_vs, d_qk, d_v, D_QK: tl.constexpr, D_V: tl.constexpr,
+              BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    for tile in range(tile_lo, tile_hi):
+        start = tile * BLOCK_N
+        keys = start + cols
+        k = load_tile(k_ptrs + tl.cast(start, tl.int64) * stride_ks, keys < seqlen_k, d_qk, D_QK, BLOCK_DQK)
+        v = load_tile(v_ptrs + tl.cast(start, tl.int64) * stride_vs, keys < seqlen_k, d_v, D_V, BLOCK_DV)
+        s = tl.dot(q, tl.trans(k))
+        if MASKED:
+            s = tl.where(visible(rows, keys, seqlen_k, before, after), s, float("-inf"))
+        p = tl.math.exp2(s * qk_scale - lse[:, None])
+        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+    return dq
+
+
+@autotune(
+    small=[(64, 32, 4, 4), (64, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
+    large=[(64, 32, 4, 3), (64, 32, 4, 4), (128, 64, 8, 2)],
+    key=["BLOCK_DQK", "BLOCK_DV"],
+)
+@triton.jit
+def _dq_kernel(Q, K, V, DO, O, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k,
+               stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
+               stride_vb, stride_vh, stride_vs, stride_dob, stride_doh, stride_dos,
+               stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_ls,
+               stride_db, stride_dh, stride_ds, stride_dqb, stride_dqh, stride_dqs,
+               seqlen_q, seqlen_k, group, before, after, qk_scale, scale,
+               D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+               VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    batch, head = tl.program_id(2), tl.program_id(1)
+    q_start, seqlen_q = sequence(cu_seqlens_q, batch, seqlen_q, VARLEN)
+    k_start, seqlen_k = sequence(cu_seqlens_k, batch, seqlen_k, VARLEN)
+    block = tl.cdiv(seqlen_q, BLOCK_M) - 1 - tl.program_id(0)
+    if block < 0:
+        return
+    first = block * BLOCK_M
+    last = tl.minimum(first + BLOCK_M, seqlen_q) - 1
+    offs_m = tl.arange(0, BLOCK_M)
+    rows = first + offs_m
+    rows_ok = rows < seqlen_q
+    cols = tl.arange(0, BLOCK_N)
+    d_qk = tl.arange(0, BLOCK_DQK)
+    d_v = tl.arange(0, BLOCK_DV)
+
+    row = q_start + first
+    q_ptrs = head_start(Q, batch, head, row, stride_qb, stride_qh, stride_qs)
+    q = load_tile(q_ptrs + offs_m[:, None] * stride_qs + d_qk[None, :], rows_ok, d_qk, D_QK, BLOCK_DQK)
+    do_ptrs = head_start(DO, batch, head, row, stride_dob, stride_doh, stride_dos)
+    do = load_tile(do_ptrs + offs_m[:, None] * stride_dos + d_v[None, :], rows_ok, d_v, D_V, BLOCK_DV)
+    o_ptrs = head_start(O, batch, head, row, stride_ob, stride_oh, stride_os)
+    o = load_tile(o_ptrs + offs_m[:, None] * stride_os + d_v[None, :], rows_ok, d_v, D_V, BLOCK_DV)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    delta_ptrs = head_start(Delta, batch, head, row, stride_db, stride_dh, stride_ds)
+    tl.store(delta_ptrs + offs_m * stride_ds, delta, mask=rows_ok)
+    lse = _log2_lse(head_start(Lse, batch, head, row, stride_lb, stride_lh, stride_ls) + offs_m * stride_ls, rows_ok)
+
+    k_ptrs = head_start(K, batch, head // group, k_start, stride_kb, stride_kh, stride_ks)
+    k_ptrs += cols[:, None] * stride_ks + d_qk[None, :]
+    v_ptrs = head_start(V, batch, head // group, k_start, stride_vb, stride_vh, stride_vs)
+    v_ptrs += cols[:, None] * stride_vs + d_v[None, :]
+    dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
+    lo, full_lo, full_hi, hi = tile_ranges(first, last, seqlen_k, before, after, BLOCK_N)
+    dq = _dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, rows, cols, lo, full_lo, seqlen_k, before, after,
+                   qk_scale, stride_ks, stride_vs, d_qk, d_v, D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, True)
+    dq = _dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, rows, cols, full_lo, full_hi, seqlen_k, before, after,
+                   qk_scale, stride_ks, stride_vs, d_qk, d_v, D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, False)
+    dq = _dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, rows, cols, full_hi, hi, seqlen_k, before, after,
+                   qk_scale, stride_ks, stride_vs, d_qk, d_v, D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, True)
+
+    dq_ptrs = head_start(DQ, batch, head, row, stride_dqb, stride_dqh, stride_dqs)
+    dq_ptrs += offs_m[:, None] * stride_dqs + d_qk[None, :]
+    store_tile(dq_ptrs, (dq * scale).to(DQ.dtype.element_ty), rows_ok, d_qk, D_QK, BLOCK_DQK)
+
+
+@triton.jit
+def _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, keys, rows, tile_lo, tile_hi, seqlen_q,
+                before, after, qk_scale, stride_qs, stride_dos, stride_ls, stride_ds, d_qk, d_v,
+                D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+                BLOCK_M: tl.constexpr, MASKED: tl.constexpr):
+    """Accumulates into dK, dV over query tiles [tile_lo, tile_hi); scores are kept transposed
+    (keys x queries), so ``before`` and ``after`` arrive swapped."""
+    for tile in range(tile_lo, tile_hi):
+        start = tile * BLOCK_M
+        queries = start + rows
+        ok = queries < seqlen_q
+        offset = tl.cast(start, tl.int64)
+        q = load_tile(q_ptrs + offset * stride_qs, ok, d_qk, D_QK, BLOCK_DQK)
+        do = load_tile(do_ptrs + offset * stride_dos, ok, d_v, D_V, BLOCK_DV)
+        lse = _log2_lse(lse_ptrs + offset * stride_ls, ok)
+        delta = tl.load(delta_ptrs + offset * stride_ds, mask=ok, other=0.0)
+        s = tl.dot(k, tl.trans(q))
+        if MASKED:
+            s = tl.where(visible(keys, queries, seqlen_q, before, after), s, float("-inf"))
+        p = tl.math.exp2(s * qk_scale - lse[None, :])
+        dv = tl.dot(p.to(do.dtype), do, dv)
+        ds = p * (tl.dot(v, tl.trans(do)) - delta[None, :])
+        dk = tl.dot(ds.to(q.dtype), q, dk)
+    return dk, dv
+
+
+@autotune(
+    small=[(32, 64, 4, 4), (32, 64, 4, 3), (64, 128, 8, 2), (32, 128, 8, 3)],
+    large=[(32, 128, 8, 2), (32, 128, 8, 3), (16, 64, 4, 3), (64, 128, 8, 2)],
+    key=["BLOCK_DQK", "BLOCK_DV"],
+)
+@triton.jit
+def _dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, cu_seqlens_q, cu_seqlens_k,
+                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
+                 stride_vb, stride_vh, stride_vs, stride_dob, stride_doh, stride_dos,
+                 stride_lb, stride_lh, stride_ls, stride_db, stride_dh, stride_ds,
+                 stride_dk_part, stride_dkb, stride_dkh, stride_dks, stride_dv_part, stride_dvb, stride_dvh, stride_dvs,
+                 seqlen_q, seqlen_k, group, parts, before, after, qk_scale, scale,
+                 D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    batch, kv_head, part = tl.program_id(2), tl.program_id(1) // parts, tl.program_id(1) % parts
+    q_start, seqlen_q = sequence(cu_seqlens_q, batch, seqlen_q, VARLEN)
+    k_start, seqlen_k = sequence(cu_seqlens_k, batch, seqlen_k, VARLEN)
+    first = tl.program_id(0) * BLOCK_N  # under a causal mask the first keys are seen most: start them first
+    if first >= seqlen_k:
+        return
+    last = tl.minimum(first + BLOCK_N, seqlen_k) - 1
+    row = k_start + first
+    offs_n = tl.arange(0, BLOCK_N)
+    keys = first + offs_n
+    keys_ok = keys < seqlen_k
+    rows = tl.arange(0, BLOCK_M)
+    d_qk = tl.arange(0, BLOCK_DQK)
+    d_v = tl.arange(0, BLOCK_DV)
+
+    k_ptrs = head_start(K, batch, kv_head, row, stride_kb, stride_kh, stride_ks)
+    k = load_tile(k_ptrs + offs_n[:, None] * stride_ks + d_qk[None, :], keys_ok, d_qk, D_QK, BLOCK_DQK)
+    v_ptrs = head_start(V, batch, kv_head, row, stride_vb, stride_vh, stride_vs)
+    v = load_tile(v_ptrs + offs_n[:, None] * stride_vs + d_v[None, :], keys_ok, d_v, D_V, BLOCK_DV)
+    dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    lo, full_lo, full_hi, hi = tile_ranges(first, last, seqlen_q, after, before, BLOCK_M)
+    heads = tl.cdiv(group, parts)
+    head_lo = kv_head * group + part * heads
+    for head in range(head_lo, tl.minimum(head_lo + heads, (kv_head + 1) * group)):
+        q_ptrs = head_start(Q, batch, head, q_start, stride_qb, stride_qh, stride_qs)
+        q_ptrs += rows[:, None] * stride_qs + d_qk[None, :]
+        do_ptrs = head_start(DO, batch, head, q_start, stride_dob, stride_doh, stride_dos)
+        do_ptrs += rows[:, None] * stride_dos + d_v[None, :]
+        lse_ptrs = head_start(Lse, batch, head, q_start, stride_lb, stride_lh, stride_ls) + rows * stride_ls
+        delta_ptrs = head_start(Delta, batch, head, q_start, stride_db, stride_dh, stride_ds) + rows * stride_ds
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, keys, rows, lo, full_lo,
+                             seqlen_q, after, before, qk_scale, stride_qs, stride_dos, stride_ls, stride_ds,
+                             d_qk, d_v, D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_M, True)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, keys, rows, full_lo, full_hi,
+                             seqlen_q, after, before, qk_scale, stride_qs, stride_dos, stride_ls, stride_ds,
+                             d_qk, d_v, D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_M, False)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, keys, rows, full_hi, hi,
+                             seqlen_q, after, before, qk_scale, stride_qs, stride_dos, stride_ls, stride_ds,
+                             d_qk, d_v, D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_M, True)
+
+    part = tl.cast(part, tl.int64)
+    dk_ptrs = head_start(DK + part * stride_dk_part, batch, kv_head, row, stride_dkb, stride_dkh, stride_dks)
+    store_tile(dk_ptrs + offs_n[:, None] * stride_dks + d_qk[None, :], (dk * scale).to(DK.dtype.element_ty),
+               keys_ok, d_qk, D_QK, BLOCK_DQK)
+    dv_ptrs = head_start(DV + part * stride_dv_part, batch, kv_head, row, stride_dvb, stride_dvh, stride_dvs)
+    store_tile(dv_ptrs + offs_n[:, None] * stride_dvs + d_v[None, :], dv.to(DV.dtype.element_ty),
+               keys_ok, d_v, D_V, BLOCK_DV)
+
+
+def _group_parts(device, group, programs):
+    """How many programs share one KV head's query heads in ``_dkdv_kernel``: enough for two
+    waves of programs. The interpreter has no multiprocessors; its target of 16 makes small
+    tests take the split path too."""
+    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
+    heads = triton.cdiv(group, min(group, triton.cdiv(target, programs)))
+    return triton.cdiv(group, heads)
+
+
+def _packed(grad, varlen):
+    """The memory behind a (B, H, S, D) view: for varlen every document aliases the packed rows."""
+    return grad[:1] if varlen else grad
+
+
+def backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+             scale, before, after):
+    """Fills ``dq``, ``dk`` and ``dv`` in place; layouts as in ``triton_forward.forward``."""
+    batch, h_q, s_q = q.shape[:3]
+    h_kv = k.shape[1]
+    d_qk, d_v = q.shape[-1], v.shape[-1]
+    group = h_q // h_kv
+    varlen = cu_seqlens_q is not None
+    delta = torch.empty(1 if varlen else batch, h_q, s_q, dtype=torch.float32, device=q.device).expand(batch, h_q, s_q)
+    common = dict(D_QK=d_qk, D_V=d_v, BLOCK_DQK=head_blocks(d_qk), BLOCK_DV=head_blocks(d_v), VARLEN=varlen)
+    qk_scale = scale * LOG2E.value
+
+    def dq_grid(meta):
+        return triton.cdiv(max_seqlen_q, meta["BLOCK_M"]), h_q, batch
+
+    _dq_kernel[dq_grid](
+        q, k, v, dout, out, lse, delta, dq, cu_seqlens_q, cu_seqlens_k,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *out.stride()[:3],
+        *lse.stride(), *delta.stride(), *dq.stride()[:3],
+        max_seqlen_q, max_seqlen_k, group, before, after, qk_scale, scale, **common,
+    )
+
+    parts = _group_parts(q.device, group, triton.cdiv(max_seqlen_k, 128) * h_kv * batch)  # 128: the widest key block
+    if parts == 1:
+        dk_parts, dv_parts = dk.unsqueeze(0), dv.unsqueeze(0)
+    else:  # float32 partial sums, one per part, added up below
+        dk_parts, dv_parts = (torch.empty(parts, *_packed(grad, varlen).shape, dtype=torch.float32, device=q.device)
+                              .expand(parts, *grad.shape) for grad in (dk, dv))
+
+    def dkdv_grid(meta):
+        return triton.cdiv(max_seqlen_k, meta["BLOCK_N"]), h_kv * parts, batch
+
+    _dkdv_kernel[dkdv_grid](
+        q, k, v, dout, lse, delta, dk_parts, dv_parts, cu_seqlens_q, cu_seqlens_k,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *lse.stride(), *delta.stride(),
+        dk_parts.stride(0), *dk_parts.stride()[1:4], dv_parts.stride(0), *dv_parts.stride()[1:4],
+        max_seqlen_q, max_seqlen_k, group, parts, before, after, qk_scale, scale, **common,
+    )
+    if parts > 1:
+        for grad, partial in ((dk, dk_parts), (dv, dv_parts)):
+            rows = _packed(grad, varlen)
+            rows.copy_(partial[:, :len(rows)].sum(0))

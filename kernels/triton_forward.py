@@ -1,0 +1,110 @@
+"""Flash attention forward in Triton: one program per (query block, query head, sequence),
+online softmax over the key tiles the mask leaves, output and LSE written once.
+
+Tensors come as (B, H, S, D) views with any strides but a unit last one; for packed varlen
+inputs B counts documents, the batch stride is 0, and ``cu_seqlens`` gives each document's rows.
+"""
+import triton
+import triton.language as tl
+
+from .triton_tiles import (LN2, LOG2E, autotune, head_blocks, head_start, load_tile, sequence, store_tile, tile_ranges,
+                           visible)
+
+
+@triton.jit
+def _attend(acc, row_sum, row_max, q, k_ptrs, v_ptrs, rows, cols, tile_lo, tile_hi, seqlen_k, before, after,
+            qk_scale, stride_ks, stride_vs, d_qk, d_v, D_QK: tl.constexpr, D_V: tl.constexpr,
+            BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """Online softmax of the query block over key tiles [tile_lo, tile_hi), in base 2."""
+    for tile in range(tile_lo, tile_hi):
+        start = tile * BLOCK_N
+        keys = start + cols
+        k = load_tile(k_ptrs + tl.cast(start, tl.int64) * stride_ks, keys < seqlen_k, d_qk, D_QK, BLOCK_DQK)
+        s = tl.dot(q, tl.trans(k))  # scaled inside exp2, where it fuses with the shift (qk_scale > 0)
+        if MASKED:
+            s = tl.where(visible(rows, keys, seqlen_k, before, after), s, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(s, 1) * qk_scale)
+        shift = new_max
+        if MASKED:  # a row that has seen no key yet keeps p = 0 instead of exp(-inf + inf)
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        p = tl.math.exp2(s * qk_scale - shift[:, None])
+        alpha = tl.math.exp2(row_max - shift)
+        row_sum = row_sum * alpha + tl.sum(p, 1)
+        v = load_tile(v_ptrs + tl.cast(start, tl.int64) * stride_vs, keys < seqlen_k, d_v, D_V, BLOCK_DV)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        row_max = new_max
+    return acc, row_sum, row_max
+
+
+@autotune(
+    small=[(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 32, 4, 4)],
+    large=[(128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3)],
+    key=["BLOCK_DQK", "BLOCK_DV"],
+)
+@triton.jit
+def _forward_kernel(Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k,
+                    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
+                    stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
+                    stride_lb, stride_lh, stride_ls,
+                    seqlen_q, seqlen_k, group, before, after, qk_scale,
+                    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+                    VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    batch, head = tl.program_id(2), tl.program_id(1)
+    q_start, seqlen_q = sequence(cu_seqlens_q, batch, seqlen_q, VARLEN)
+    k_start, seqlen_k = sequence(cu_seqlens_k, batch, seqlen_k, VARLEN)
+    block = tl.cdiv(seqlen_q, BLOCK_M) - 1 - tl.program_id(0)  # the last rows see the most keys: start them first
+    if block < 0:
+        return
+    first = block * BLOCK_M
+    last = tl.minimum(first + BLOCK_M, seqlen_q) - 1
+    offs_m = tl.arange(0, BLOCK_M)
+    rows = first + offs_m
+    cols = tl.arange(0, BLOCK_N)
+    d_qk = tl.arange(0, BLOCK_DQK)
+    d_v = tl.arange(0, BLOCK_DV)
+
+    q_ptrs = head_start(Q, batch, head, q_start + first, stride_qb, stride_qh, stride_qs)
+    q = load_tile(q_ptrs + offs_m[:, None] * stride_qs + d_qk[None, :], rows < seqlen_q, d_qk, D_QK, BLOCK_DQK)
+    k_ptrs = head_start(K, batch, head // group, k_start, stride_kb, stride_kh, stride_ks)
+    k_ptrs += cols[:, None] * stride_ks + d_qk[None, :]
+    v_ptrs = head_start(V, batch, head // group, k_start, stride_vb, stride_vh, stride_vs)
+    v_ptrs += cols[:, None] * stride_vs + d_v[None, :]
+
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    lo, full_lo, full_hi, hi = tile_ranges(first, last, seqlen_k, before, after, BLOCK_N)
+    acc, row_sum, row_max = _attend(acc, row_sum, row_max, q, k_ptrs, v_ptrs, rows, cols, lo, full_lo, seqlen_k,
+                                    before, after, qk_scale, stride_ks, stride_vs, d_qk, d_v,
+                                    D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, True)
+    acc, row_sum, row_max = _attend(acc, row_sum, row_max, q, k_ptrs, v_ptrs, rows, cols, full_lo, full_hi, seqlen_k,
+                                    before, after, qk_scale, stride_ks, stride_vs, d_qk, d_v,
+                                    D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, False)
+    acc, row_sum, row_max = _attend(acc, row_sum, row_max, q, k_ptrs, v_ptrs, rows, cols, full_hi, hi, seqlen_k,
+                                    before, after, qk_scale, stride_ks, stride_vs, d_qk, d_v,
+                                    D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, True)
+
+    seen = row_sum > 0
+    row_sum = tl.where(seen, row_sum, 1.0)
+    lse = tl.where(seen, (row_max + tl.math.log2(row_sum)) * LN2, float("-inf"))
+    o_ptrs = head_start(Out, batch, head, q_start + first, stride_ob, stride_oh, stride_os)
+    o_ptrs += offs_m[:, None] * stride_os + d_v[None, :]
+    store_tile(o_ptrs, (acc / row_sum[:, None]).to(Out.dtype.element_ty), rows < seqlen_q, d_v, D_V, BLOCK_DV)
+    lse_ptrs = head_start(Lse, batch, head, q_start + first, stride_lb, stride_lh, stride_ls)
+    tl.store(lse_ptrs + offs_m * stride_ls, lse, mask=rows < seqlen_q)
+
+
+def forward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, before, after):
+    """Fills ``out`` (B, H_q, S_q, d_v) and ``lse`` (B, H_q, S_q) float32 in place."""
+    batch, h_q = q.shape[:2]
+    d_qk, d_v = q.shape[-1], v.shape[-1]
+
+    def grid(meta):
+        return triton.cdiv(max_seqlen_q, meta["BLOCK_M"]), h_q, batch
+
+    _forward_kernel[grid](
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *lse.stride(),
+        max_seqlen_q, max_seqlen_k, h_q // k.shape[1], before, after, scale * LOG2E.value,
+        D_QK=d_qk, D_V=d_v, BLOCK_DQK=head_blocks(d_qk), BLOCK_DV=head_blocks(d_v), VARLEN=cu_seqlens_q is not None,
+    )

@@ -1,0 +1,95 @@
+"""What the Triton attention kernels share: the tiles a block of rows visits, the mask inside a
+tile, where a sequence and a head start, and the autotuning configurations.
+
+Masks are given as reaches: row r sees column c when ``r - before <= c <= r + after`` and
+``c < n_cols``. The op boundary folds the causal/window bounds and the position offsets into
+these two numbers; an unbounded side is ``UNBOUNDED``, farther than any two positions can be.
+"""
+import os
+
+import triton
+import triton.language as tl
+
+UNBOUNDED = 1 << 29
+MAX_SPAN = 1 << 28  # lengths and |q_offset - k_offset| stay below this, so no int32 bound overflows
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+def autotune(small, large, key):
+    """``triton.autotune`` over ``small`` while the two head tiles are at most 256 wide together
+    (d 128/128) and ``large`` beyond, each a list of (BLOCK_M, BLOCK_N, num_warps, num_stages)
+    picked from H100 sweeps (wider tiles with 4 warps spill there); one small configuration
+    when interpreting, so the CPU tests cross several tiles."""
+    if INTERPRET:
+        return triton.autotune([triton.Config({"BLOCK_M": 16, "BLOCK_N": 16})], key=key)
+    small = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in small]
+    large = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in large]
+
+    def by_head_dims(configs, named_args, **kwargs):
+        args = {**named_args, **kwargs}
+        return large if args["BLOCK_DQK"] + args["BLOCK_DV"] > 256 else small
+
+    return triton.autotune(small + large, key=key, prune_configs_by={"early_config_prune": by_head_dims})
+
+
+def head_blocks(d: int) -> int:
+    """The tile width for a head dim: a power of two, at least 16 for the tensor cores."""
+    return max(16, triton.next_power_of_2(d))
+
+
+@triton.jit
+def sequence(cu_seqlens, batch, seqlen, VARLEN: tl.constexpr):
+    """(first row, length) of sequence ``batch``: a document of the packed tensor, or a batch entry."""
+    if VARLEN:
+        start = tl.load(cu_seqlens + batch)
+        return start, tl.load(cu_seqlens + batch + 1) - start
+    else:
+        return 0, seqlen
+
+
+@triton.jit
+def head_start(ptr, batch, head, row, stride_b, stride_h, stride_s):
+    """Pointer to ``row`` of one head, in 64 bits: long or packed tensors outgrow int32 offsets,
+    so offsets added to it stay within one tile."""
+    batch, head, row = tl.cast(batch, tl.int64), tl.cast(head, tl.int64), tl.cast(row, tl.int64)
+    return ptr + batch * stride_b + head * stride_h + row * stride_s
+
+
+@triton.jit
+def load_tile(ptrs, rows_ok, cols, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    if D == BLOCK_D:
+        return tl.load(ptrs, mask=rows_ok[:, None], other=0.0)
+    else:
+        return tl.load(ptrs, mask=rows_ok[:, None] & (cols < D)[None, :], other=0.0)
+
+
+@triton.jit
+def store_tile(ptrs, value, rows_ok, cols, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    if D == BLOCK_D:
+        tl.store(ptrs, value, mask=rows_ok[:, None])
+    else:
+        tl.store(ptrs, value, mask=rows_ok[:, None] & (cols < D)[None, :])
+
+
+@triton.jit
+def visible(rows, cols, n_cols, before, after):
+    """(rows, cols) mask of the pairs that see each other."""
+    dist = cols[None, :] - rows[:, None]
+    return (dist >= -before) & (dist <= after) & (cols[None, :] < n_cols)
+
+
+@triton.jit
+def tile_ranges(first, last, n_cols, before, after, BLOCK: tl.constexpr):
+    """Column tiles for rows [first, last]: ``lo <= full_lo <= full_hi <= hi``. Tiles outside
+    [lo, hi) hold no visible pair and are never touched; those in [full_lo, full_hi) are
+    visible to every row and need no mask."""
+    col_lo = tl.maximum(first - before, 0)
+    col_hi = tl.minimum(last + after + 1, n_cols)
+    lo = col_lo // BLOCK
+    hi = tl.where(col_hi > col_lo, tl.cdiv(col_hi, BLOCK), lo)
+    full_lo = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(last - before, 0), BLOCK), lo), hi)
+    full_hi = tl.maximum(tl.minimum(first + after + 1, n_cols), 0) // BLOCK
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi

@@ -1,0 +1,272 @@
+"""The Triton attention kernels against the float64 oracle, forward and backward.
+
+Without CUDA they run under TRITON_INTERPRET=1 (one 16x16 tile configuration, so every call
+crosses several tiles) in exact float32, plus float16; the interpreter's bf16 dot multiplies
+the raw bits, so bf16 is left to the GPU tests. With CUDA every test runs on the device
+(float32 dots in TF32), and the tests marked gpu sweep bf16 shapes over several tiles.
+"""
+import os
+import sys
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    if "triton" in sys.modules:  # its own library (tl.sum, tl.cdiv...) is then compiled code the interpreter cannot call
+        raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set: set it in tests/conftest.py")
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton", reason="the Triton kernels need the triton package")
+
+from attn_compile.kernels import reference, triton_attention as ta  # noqa: E402
+from attn_compile.kernels.problem import Problem  # noqa: E402
+from attn_compile.kernels.triton_tiles import INTERPRET  # noqa: E402
+from oracle import naive_attention, rel_err  # noqa: E402
+from shapes import make_qkv  # noqa: E402
+
+TOL = {torch.float32: 1e-5 if INTERPRET else 5e-3, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def _oracle(q, k, v, dout, **masking):
+    """(out, lse, dq, dk, dv) in float64 on the CPU."""
+    q, k, v = (x.detach().cpu().double().requires_grad_() for x in (q, k, v))
+    out = naive_attention(q, k, v, **masking)
+    grads = torch.autograd.grad(out, (q, k, v), dout.cpu().double())
+    _, lse = reference.attention_forward(q.detach(), k.detach(), v.detach(), **masking)
+    return (out.detach(), lse, *grads)
+
+
+def _assert_close(got, want, tol):
+    """(out, lse, dq, dk, dv) against the oracle's: no NaN, the same rows that see no key."""
+    names = ("out", "lse", "dq", "dk", "dv")
+    got = [g.cpu() for g in got]
+    assert not any(g.isnan().any() for g in got), [n for n, g in zip(names, got) if g.isnan().any()]
+    seen = ~want[1].isneginf()
+    assert torch.equal(~got[1].isneginf(), seen), "lse: the rows that see no key differ"
+    got[1], want = got[1][seen], (want[0], want[1][seen], *want[2:])
+    errors = {n: rel_err(g, w) for n, g, w in zip(names, got, want)}
+    assert max(errors.values()) <= tol, errors
+
+
+def _run(q, k, v, dout, **masking):
+    out, lse = ta.attention_forward(q, k, v, **masking)
+    return (out, lse, *ta.attention_backward(dout, q, k, v, out, lse, **masking))
+
+
+def _check(heads, s_q, s_k, dtype=torch.float32, batch=1, **masking):
+    q, k, v = make_qkv(heads, batch=batch, s_q=s_q, s_k=s_k, dtype=dtype, device=DEVICE, requires_grad=False)
+    dout = torch.randn(*q.shape[:-1], v.shape[-1], dtype=dtype, device=DEVICE)
+    masking.setdefault("scale", q.shape[-1] ** -0.5)
+    got = _run(q, k, v, dout, **masking)
+    _assert_close(got, _oracle(q, k, v, dout, **masking), TOL[dtype])
+    return got
+
+
+CASES = {
+    "mha-full": ("mha", 40, 33, {}),
+    "gqa-causal": ("gqa", 48, 48, dict(is_causal=True)),
+    "mla-causal": ("mla", 33, 33, dict(is_causal=True)),  # d_qk 24 is padded to a 32-wide tile
+    "gqa_mla-window": ("gqa_mla", 40, 56, dict(window=(7, 3))),
+    "causal-window": ("gqa", 48, 48, dict(is_causal=True, window=(10, -1))),
+    "ring-step": ("mla", 24, 40, dict(is_causal=True, q_offset=40, k_offset=16)),  # the diagonal cuts tiles
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_oracle(case):
+    torch.manual_seed(0)
+    heads, s_q, s_k, masking = CASES[case]
+    _check(heads, s_q, s_k, batch=2, **masking)
+
+
+def test_float16():
+    torch.manual_seed(1)
+    _check("gqa_mla", 40, 40, dtype=torch.float16, is_causal=True, window=(12, 5))
+
+
+def test_rows_that_see_no_key():
+    """Queries at 0..19 come before every key (20..43): output 0, LSE -inf, zero gradients."""
+    torch.manual_seed(2)
+    out, lse, dq, _, _ = _check("gqa", 40, 24, is_causal=True, k_offset=20)
+    assert torch.all(out[:, :, :20] == 0) and torch.all(lse[:, :, :20] == float("-inf"))
+    assert torch.all(dq[:, :, :20] == 0) and torch.all(lse[:, :, 20:].isfinite())
+
+
+def test_strided_inputs():
+    """(B, S, H, D) memory, as models hand it over; the output keeps that layout."""
+    torch.manual_seed(3)
+    q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2)
+               for x in make_qkv("gqa_mla", s_q=40, device=DEVICE, requires_grad=False))
+    dout = torch.randn(q.shape[0], q.shape[2], q.shape[1], v.shape[-1], device=DEVICE).transpose(1, 2)
+    masking = dict(scale=0.3, is_causal=True, window=(9, -1))
+    got = _run(q, k, v, dout, **masking)
+    assert got[0].transpose(1, 2).is_contiguous()
+    _assert_close(got, _oracle(q, k, v, dout, **masking), TOL[torch.float32])
+
+
+def test_invisible_tiles_are_never_loaded():
+    """Queries at 136..151 with a window of 8 see keys 128..151; NaN keys elsewhere, filling whole
+    tiles of up to 128 keys, would reach the result if a skipped tile were loaded."""
+    torch.manual_seed(4)
+    q, k, v = make_qkv("gqa", s_q=16, s_k=384, device=DEVICE, requires_grad=False)
+    dout = torch.randn(*q.shape[:-1], v.shape[-1], device=DEVICE)
+    masking = dict(scale=0.25, is_causal=True, window=(8, -1), q_offset=136)
+    want = _oracle(q, k, v, dout, **masking)
+    for x in (k, v):
+        x[:, :, :128] = float("nan")
+        x[:, :, 256:] = float("nan")
+    got = _run(q, k, v, dout, **masking)
+    _assert_close(got, want, TOL[torch.float32])
+
+
+def _document(x, start, end):
+    """Rows [start, end) of a packed (total, H, ...) tensor as a batch of one, (1, H, end - start, ...)."""
+    return x[start:end].transpose(0, 1)[None]
+
+
+def _check_varlen(q, k, v, dout, cu_q, cu_k, tol, **masking):
+    """Each document of the packed call against the oracle run on that document alone."""
+    lengths = (cu_q, cu_k, int((cu_q[1:] - cu_q[:-1]).max()), int((cu_k[1:] - cu_k[:-1]).max()))
+    out, lse = ta.varlen_forward(q, k, v, *lengths, **masking)
+    dq, dk, dv = ta.varlen_backward(dout, q, k, v, out, lse, *lengths, **masking)
+    assert lse.shape == q.shape[:-1]
+    for q0, q1, k0, k1 in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
+        got = [_document(x, q0, q1) for x in (out, lse, dq)] + [_document(x, k0, k1) for x in (dk, dv)]
+        want = _oracle(_document(q, q0, q1), _document(k, k0, k1), _document(v, k0, k1), _document(dout, q0, q1),
+                       **masking)
+        _assert_close(got, want, tol)
+
+
+@pytest.mark.parametrize("lens_q,lens_k,masking", [
+    ([1, 17, 30, 5], [1, 17, 30, 5], dict(is_causal=True, window=(6, -1))),
+    ([3, 20, 9], [12, 1, 25], dict(window=(4, 8))),
+])
+def test_varlen_documents_are_independent(lens_q, lens_k, masking):
+    torch.manual_seed(5)
+    q, k, v = (x[0].transpose(0, 1) for x in make_qkv("gqa_mla", batch=1, s_q=sum(lens_q), s_k=sum(lens_k),
+                                                       device=DEVICE, requires_grad=False))
+    dout = torch.randn(*q.shape[:-1], v.shape[-1], device=DEVICE)
+    cu_q, cu_k = (torch.tensor([0, *lens], device=DEVICE).cumsum(0).int() for lens in (lens_q, lens_k))
+    _check_varlen(q, k, v, dout, cu_q, cu_k, TOL[torch.float32], scale=0.3, **masking)
+
+
+def test_ring_steps_merge_to_the_whole():
+    """Two calls over halves of the keys, merged, equal one call over all; each backward given
+    the merged out and LSE returns its share of the gradients. Queries 16..23 see no key of the
+    second half, so the merge meets LSE -inf."""
+    torch.manual_seed(6)
+    q, k, v = make_qkv("gqa_mla", s_q=32, s_k=48, device=DEVICE, requires_grad=False)
+    dout = torch.randn(*q.shape[:-1], v.shape[-1], device=DEVICE)
+    masking = dict(scale=0.3, is_causal=True, q_offset=16)
+    halves = [dict(masking, k_offset=start) for start in (0, 24)]
+    parts = [ta.attention_forward(q, k[:, :, s:s + 24], v[:, :, s:s + 24], **m) for s, m in zip((0, 24), halves)]
+    out, lse = ta.merge_forward(*parts[0], *parts[1])
+    grads = [ta.attention_backward(dout, q, k[:, :, s:s + 24], v[:, :, s:s + 24], out, lse, **m)
+             for s, m in zip((0, 24), halves)]
+    got = (out, lse, grads[0][0] + grads[1][0], *(torch.cat([a, b], 2) for a, b in zip(grads[0][1:], grads[1][1:])))
+    _assert_close(got, _oracle(q, k, v, dout, **masking), TOL[torch.float32])
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 37, 24), (29, 3, 8)], ids=["dense", "varlen"])
+def test_merge_handles_empty_sides(shape):
+    torch.manual_seed(7)
+    out_a = torch.randn(shape, device=DEVICE)
+    out_b = torch.randn(shape, device=DEVICE, dtype=torch.float16)
+    lse_a, lse_b = torch.randn(shape[:-1], device=DEVICE), torch.randn(shape[:-1], device=DEVICE)
+    rows_a, rows_b = lse_a.view(-1), lse_b.view(-1)
+    rows_a[::3] = float("-inf")
+    rows_b[::4] = float("-inf")  # every 12th row is empty on both sides
+    out_a.view(-1, shape[-1])[::3] = float("nan")  # an empty side's output is never read
+    out, lse = ta.merge_forward(out_a, lse_a, out_b, lse_b)
+    want_lse = torch.logaddexp(lse_a.double(), lse_b.double())
+    weights = [torch.exp(x.double() - want_lse).nan_to_num(0.0)[..., None] for x in (lse_a, lse_b)]
+    want = (weights[0] * out_a.double().nan_to_num(0.0) + weights[1] * out_b.double()).nan_to_num(0.0)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    assert torch.equal(lse.isneginf(), want_lse.isneginf()) and torch.all(out.view(-1, shape[-1])[::12] == 0)
+    assert rel_err(out, want) <= 1e-6 and rel_err(lse[lse.isfinite()], want_lse[want_lse.isfinite()]) <= 1e-6
+
+
+def _bad_calls():
+    q, k, v = make_qkv("gqa", s_q=8, requires_grad=False)
+    out, lse = torch.zeros(*q.shape[:-1], v.shape[-1]), torch.zeros(q.shape[:-1])
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    return {
+        "attn_mask": lambda: ta.attention_forward(q, k, v, scale=1.0, attn_mask=torch.ones(8, 8, dtype=torch.bool)),
+        "key_padding_mask": lambda: ta.attention_backward(out, q, k, v, out, lse, scale=1.0,
+                                                          key_padding_mask=torch.ones(2, 8, dtype=torch.bool)),
+        "scale": lambda: ta.attention_forward(q, k, v, scale=-1.0),
+        "k:": lambda: ta.attention_forward(q[:, :3], k, v, scale=1.0),
+        "v:": lambda: ta.attention_forward(q, k, v.half(), scale=1.0),
+        "q:": lambda: ta.attention_forward(q.new_zeros(*q.shape[:-1], 320), k, v, scale=1.0),
+        "window": lambda: ta.attention_forward(q, k, v, scale=1.0, window=(-2, 0)),
+        "q_offset": lambda: ta.attention_forward(q, k, v, scale=1.0, is_causal=True, q_offset=1 << 30),
+        "lse": lambda: ta.attention_backward(out, q, k, v, out, lse[..., :4], scale=1.0),
+        "cu_seqlens_q": lambda: ta.varlen_forward(q[0], k[0], v[0], cu.long(), cu, 8, 8, scale=1.0),
+        "lse_b": lambda: ta.merge_forward(out, lse, out, lse[0]),
+    }
+
+
+@pytest.mark.parametrize("argument", list(_bad_calls()))
+def test_bad_arguments_name_themselves(argument):
+    with pytest.raises(ValueError, match=f"^{argument}"):
+        _bad_calls()[argument]()
+
+
+def test_supports():
+    def like(*shape):
+        return SimpleNamespace(shape=shape, dtype=torch.bfloat16, device=torch.device("cuda"))
+
+    base = Problem.of(like(1, 64, 4096, 192), like(1, 4, 4096, 192), like(1, 4, 4096, 128), is_causal=True,
+                      window=(1023, -1), q_offset=4096)
+    assert ta.supports(base) == torch.cuda.is_available()
+    for change in (dict(device_type="cpu"), dict(has_mask=True), dict(has_key_padding=True),
+                   dict(dtype=torch.float64), dict(d_qk=320)):
+        assert not ta.supports(replace(base, **change)), change
+
+
+def _poison_free_memory():
+    """Fill the CUDA allocator's cached blocks with NaN, so an output element the kernels never
+    write shows up as NaN."""
+    blocks = [torch.full((1 << 26,), float("nan"), device="cuda")]
+    blocks += [torch.full((1 << 17,), float("nan"), device="cuda") for _ in range(64)]
+    del blocks
+
+
+GPU_CASES = {
+    "mha-causal": (2, 8, 8, 1000, 1000, 128, 128, dict(is_causal=True)),
+    "gqa_mla-causal": (1, 16, 1, 777, 777, 192, 128, dict(is_causal=True)),
+    "gqa-window": (1, 8, 2, 1024, 1500, 128, 128, dict(window=(128, 32))),
+    "ring-step-half-tile": (1, 4, 4, 512, 2048, 128, 128, dict(is_causal=True, q_offset=2112, k_offset=64)),
+    "d256-full": (1, 4, 4, 300, 300, 256, 256, {}),
+    "odd-dims": (1, 4, 4, 256, 333, 96, 80, dict(is_causal=True, window=(50, 20))),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_gpu_bf16(case):
+    torch.manual_seed(8)
+    batch, h_q, h_kv, s_q, s_k, d_qk, d_v, masking = GPU_CASES[case]
+    q = torch.randn(batch, h_q, s_q, d_qk, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, h_kv, s_k, d_qk, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(batch, h_kv, s_k, d_v, device="cuda", dtype=torch.bfloat16)
+    dout = torch.randn(batch, h_q, s_q, d_v, device="cuda", dtype=torch.bfloat16)
+    masking["scale"] = d_qk ** -0.5
+    _poison_free_memory()
+    got = _run(q, k, v, dout, **masking)
+    _assert_close(got, _oracle(q, k, v, dout, **masking), TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_varlen():
+    torch.manual_seed(9)
+    lens = [1, 100, 513, 64, 1000]
+    cu = torch.tensor([0, *lens], device="cuda").cumsum(0).int()
+    q = torch.randn(sum(lens), 8, 192, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(sum(lens), 2, 192, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(sum(lens), 2, 128, device="cuda", dtype=torch.bfloat16)
+    dout = torch.randn(sum(lens), 8, 128, device="cuda", dtype=torch.bfloat16)
+    _poison_free_memory()
+    _check_varlen(q, k, v, dout, cu, cu, TOL[torch.bfloat16], scale=192 ** -0.5, is_causal=True)
