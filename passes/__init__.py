@@ -1,19 +1,85 @@
-"""FX passes that find attention in dynamo graphs and rewrite it into attn_cp ops."""
+"""FX passes that find attention in dynamo graphs and rewrite it into ``attn_cp.attention``.
+
+Each node, in graph order, is offered to the finders: an SDPA call (sdpa.py) or hand-written
+softmax attention (matmul_softmax.py). A site found is an AttentionCall (call.py), which each
+refinement in turn may improve: drop a repeat_kv copy of k and v (repeat_kv.py), turn an index-built
+mask into causal/window/key-padding arguments (mask_structure.py), drop ``.contiguous()`` copies of
+q, k, v (layouts.py). The refinements are independent, so their order is only the order of the
+site's notes. The final call is checked against the op's argument rules and emitted in place of
+the site; the nodes it no longer needs (the mask, the copies, the softmax chain) are erased. A site
+that fails a check stays exactly as it was, with the reason in its Site.
+"""
 import logging
 
 from torch.fx import GraphModule
 
-from .sdpa import rewrite_sdpa
-from .site import Site
+from . import matmul_softmax, sdpa
+from .call import AttentionCall, Left, emit, kernel_of, why_invalid
+from .layouts import drop_contiguous_copies
+from .mask_structure import infer_mask_structure
+from .nodes import erase_unused
+from .repeat_kv import strip_repeat_kv
+from .shapes import example_tensor, hinted_meta
+from .site import Site, location_of
 
 log = logging.getLogger("attn_compile")
+
+FINDERS = (sdpa.find, matmul_softmax.find)
+REFINEMENTS = (strip_repeat_kv, infer_mask_structure, drop_contiguous_copies)
+
+
+def _shapes(tensors: dict) -> dict:
+    shapes = {}
+    for name, node in tensors.items():
+        t = example_tensor(node)
+        if t is not None:
+            shapes[name] = hinted_meta(t).shape
+    return shapes
+
+
+def _left(graph, found: Left, made=()) -> Site:
+    """The site as it stays; ``made``: nodes a finder or refinement added, erased if unused."""
+    erase_unused(graph, made)
+    return Site(found.anchor.name, location_of(found.anchor), _shapes(found.tensors), rewritten=False,
+                reason=found.reason)
+
+
+def _rewrite(graph, found: AttentionCall) -> Site:
+    calls = [found]
+    for refine in REFINEMENTS:
+        calls.append(refine(calls[-1]))
+    call = calls[-1]
+    made = [node for c in calls for node in c.tensors().values()]
+    reason = why_invalid(call)
+    if reason is not None:
+        return _left(graph, Left(found.anchor, reason, found.tensors()), made)
+    site = Site(found.anchor.name, location_of(found.anchor), _shapes(call.tensors()), rewritten=True,
+                op="attn_cp.attention", kernel=kernel_of(call), notes=list(call.notes))
+    inputs = found.anchor.all_input_nodes
+    emit(graph, call)
+    erase_unused(graph, made + inputs)
+    return site
+
+
+def _find(node):
+    for find in FINDERS:
+        found = find(node)
+        if found is not None:
+            return found
+    return None
 
 
 def rewrite_attention(gm: GraphModule) -> list[Site]:
     """Rewrite every attention site of ``gm`` in place; one Site per site found, logged."""
-    sites = rewrite_sdpa(gm)
-    for site in sites:
+    sites = []
+    for node in list(gm.graph.nodes):
+        found = _find(node)
+        if found is None:
+            continue
+        site = _left(gm.graph, found) if isinstance(found, Left) else _rewrite(gm.graph, found)
         log.info("%s %s", "rewrote" if site.rewritten else "left", site)
+        sites.append(site)
+    gm.recompile()
     return sites
 
 

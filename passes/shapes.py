@@ -1,8 +1,9 @@
 """Traced tensor values of graph nodes, read without adding shape guards."""
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 
 class TensorMeta(NamedTuple):
@@ -12,9 +13,18 @@ class TensorMeta(NamedTuple):
     dtype: torch.dtype
     device: torch.device
 
+    def dim(self) -> int:
+        return len(self.shape)
+
 
 def example_value(node: Node):
     return node.meta.get("example_value", node.meta.get("val"))
+
+
+def example_tensor(arg) -> Optional[torch.Tensor]:
+    """The traced tensor of a node argument, or None if it is not a node with one."""
+    value = example_value(arg) if isinstance(arg, Node) else None
+    return value if isinstance(value, torch.Tensor) else None
 
 
 def _hint(size) -> int:
@@ -24,3 +34,30 @@ def _hint(size) -> int:
 def hinted_meta(t: torch.Tensor) -> TensorMeta:
     """Sizes are the values traced with (their hints), so reading them installs no guard."""
     return TensorMeta(tuple(_hint(s) for s in t.shape), t.dtype, t.device)
+
+
+def hinted_shape(t: torch.Tensor) -> tuple:
+    return hinted_meta(t).shape
+
+
+def known_equal(a, b) -> bool:
+    """True only if sizes a and b are equal for every value of their symbols; installs no guard."""
+    return statically_known_true(a == b)
+
+
+def known_shape(t: torch.Tensor, shape) -> bool:
+    return t.dim() == len(shape) and all(known_equal(s, e) for s, e in zip(t.shape, shape))
+
+
+def constant_int(value) -> Optional[int]:
+    """value as an int when it is one whatever the symbols are (an int, or a SymInt that
+    simplifies to a number), else None."""
+    if isinstance(value, Node):
+        value = example_value(value)
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, torch.SymInt) and value.node.expr.is_number:
+        return int(value.node.expr)
+    return None

@@ -8,16 +8,18 @@ from typing import Optional
 class Site:
     node: str  # the graph node's name
     location: str  # module path and source line, where dynamo recorded them
-    shapes: dict  # "q"/"k"/"v"/"attn_mask" -> shape tuple (hinted ints under dynamic shapes)
+    shapes: dict  # "q"/"k"/"v"/"attn_mask"/"key_padding_mask" -> shape (hinted ints under dynamic shapes)
     rewritten: bool
     reason: str = ""  # why the site was left as it was
     op: Optional[str] = None  # what it became
     kernel: Optional[str] = None  # the kernel the op dispatches to, for the traced shapes
+    notes: list[str] = dataclasses.field(default_factory=list)  # what the refining passes did, or why not
 
     def __str__(self) -> str:
         shapes = " ".join(f"{name}{tuple(shape)}" for name, shape in self.shapes.items())
         outcome = f"-> {self.op} [{self.kernel}]" if self.rewritten else f"left as is: {self.reason}"
-        return f"{self.location or self.node}: {shapes} {outcome}"
+        notes = f" ({'; '.join(self.notes)})" if self.notes else ""
+        return f"{self.location or self.node}: {shapes} {outcome}{notes}"
 
 
 def location_of(node) -> str:

@@ -1,0 +1,146 @@
+"""Benchmark Hugging Face model stacks compiled with backend="attn_cp" against the same compiler
+without the attention rewrite (backend="inductor" by default), side by side.
+
+Stacks: Llama-3-8B-shaped and Mistral-7B-shaped (``LlamaModel``/``MistralModel``, random weights,
+4 layers, bf16, batch 2 with the second row right-padded by 1/8, S = 4096 and 8192). The Mistral
+stack uses a 1024-token sliding window (the window of ../shared/BASELINES.md). Measured, as medians
+of ``triton.testing.do_bench``:
+
+- attention: Hugging Face's own mask construction and SDPA integration (repeat_kv, the explicit
+  bool mask) on (B, H, S, D) q, k, v, forward and forward+backward;
+- step: the whole stack, forward and backward of a mean-square loss of its output.
+
+``--tiny`` runs small one-layer shapes on the CPU with a wall-clock median instead: a smoke test. transformers
+and triton are imported only when a benchmark runs.
+"""
+import argparse
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from .explain import explain
+
+BATCH = 2
+SHAPES = {
+    "llama3-8b": {"num_hidden_layers": 4, "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+                  "num_key_value_heads": 8, "vocab_size": 128256, "rope_theta": 500000.0},
+    "mistral-7b": {"num_hidden_layers": 4, "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+                   "num_key_value_heads": 8, "vocab_size": 32000, "sliding_window": 1024},
+}
+_TINY = {"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "vocab_size": 128}
+TINY_SHAPES = {"llama3-8b": _TINY, "mistral-7b": {**_TINY, "sliding_window": 16}}
+
+
+def _model(name: str, dims: dict, seq: int, device, dtype):
+    import transformers
+
+    config_cls, model_cls = ((transformers.LlamaConfig, transformers.LlamaModel) if name.startswith("llama") else
+                             (transformers.MistralConfig, transformers.MistralModel))
+    config = config_cls(max_position_embeddings=seq, **dims)
+    config._attn_implementation = "sdpa"
+    return model_cls(config).to(device=device, dtype=dtype)
+
+
+def _hf_attention(model) -> Callable:
+    """q, k, v, 2-D padding mask -> attention output, through HF's mask and SDPA code for this model."""
+    from transformers import masking_utils
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    config, module = model.config, model.layers[0].self_attn
+    make_mask = (masking_utils.create_sliding_window_causal_mask if getattr(config, "sliding_window", None)
+                 else masking_utils.create_causal_mask)
+
+    def attention(q, k, v, padding):
+        embeds = q.transpose(1, 2)  # (B, S, ...): the mask helpers read batch, length, dtype and device
+        positions = torch.arange(q.shape[2], device=q.device)[None]
+        mask = make_mask(config=config, inputs_embeds=embeds, attention_mask=padding, past_key_values=None,
+                         position_ids=positions)
+        return sdpa_attention_forward(module, q, k, v, mask, scaling=module.scaling)[0]
+    return attention
+
+
+def _timer(device) -> Callable[[Callable], float]:
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return lambda fn: do_bench(fn, return_mode="median")
+
+    def wall_clock_median(fn, repeats=5):
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
+    return wall_clock_median
+
+
+def _measure(compile_fn, model, dims: dict, seq: int, device, dtype, timer) -> dict:
+    """Milliseconds of attention fwd, attention fwd+bwd and the step, for one way of compiling."""
+    torch.manual_seed(0)
+    heads, kv_heads = dims["num_attention_heads"], dims["num_key_value_heads"]
+    head_dim = dims["hidden_size"] // heads
+    q = torch.randn(BATCH, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(BATCH, kv_heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
+            for _ in range(2))
+    padding = torch.ones(BATCH, seq, dtype=torch.long, device=device)
+    padding[1, seq - seq // 8:] = 0
+    ids = torch.randint(0, dims["vocab_size"], (BATCH, seq), device=device)
+
+    attention = compile_fn(_hf_attention(model))
+    out = attention(q, k, v, padding)
+    dout = torch.randn_like(out)
+    stack = compile_fn(model)
+    params = list(model.parameters())
+
+    def step():
+        hidden = stack(input_ids=ids, attention_mask=padding, use_cache=False).last_hidden_state
+        return torch.autograd.grad(hidden.float().square().mean(), params)
+
+    runs = {"attention fwd": lambda: attention(q, k, v, padding),
+            "attention fwd+bwd": lambda: torch.autograd.grad(attention(q, k, v, padding), (q, k, v), dout),
+            "step fwd+bwd": step}
+    times = {}
+    for measure, run in runs.items():
+        run()  # compiles
+        times[measure] = timer(run)
+    return times
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m attn_compile.bench models", description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="small shapes on the CPU: a smoke test")
+    parser.add_argument("--compiler", choices=("inductor", "aot_eager"), default="inductor",
+                        help="the baseline backend, and attn_cp's inner compiler")
+    parser.add_argument("--seq", type=int, nargs="+", help="sequence lengths (default 4096 8192; --tiny: 32)")
+    args = parser.parse_args(argv)
+    device = torch.device("cpu" if args.tiny else "cuda")
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    seqs = args.seq or ([32] if args.tiny else [4096, 8192])
+    shapes = TINY_SHAPES if args.tiny else SHAPES
+    timer = _timer(device)
+    backends = {
+        args.compiler: lambda fn: torch.compile(fn, backend=args.compiler),
+        "attn_cp": lambda fn: torch.compile(fn, backend="attn_cp", options={"inner": args.compiler}),
+    }
+    print(f"batch {BATCH}, {dtype}, {device}; times in ms (medians)")
+    print(f"{'model':<12}{'layers':>7}{'S':>6}  {'measure':<20}{args.compiler:>12}{'attn_cp':>12}{'speedup':>9}")
+    for name, dims in shapes.items():
+        for seq in seqs:
+            torch._dynamo.reset()
+            model = _model(name, dims, seq, device, dtype)
+            report = explain(model, input_ids=torch.randint(0, dims["vocab_size"], (BATCH, seq), device=device),
+                             attention_mask=torch.ones(BATCH, seq, dtype=torch.long, device=device), use_cache=False)
+            results = {backend: _measure(compile_fn, model, dims, seq, device, dtype, timer)
+                       for backend, compile_fn in backends.items()}
+            for measure in results["attn_cp"]:
+                base, ours = results[args.compiler][measure], results["attn_cp"][measure]
+                print(f"{name:<12}{dims['num_hidden_layers']:>7}{seq:>6}  {measure:<20}"
+                      f"{base:>12.3f}{ours:>12.3f}{base / ours:>8.2f}x")
+            print(f"{'':<27}{len(report.rewritten)} of {len(report.sites)} attention sites rewritten"
+                  + (f"; the first: {report.sites[0]}" if report.sites else ""))
+            del model
+    return 0

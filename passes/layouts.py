@@ -1,0 +1,29 @@
+"""Drop ``.contiguous()`` copies of q, k and v made only for attention.
+
+Pattern: ``x.contiguous()`` as q, k or v, with ``x`` unit-strided in its last axis (e.g. a
+(B, S, H, D) projection transposed to (B, H, S, D)). Replacement: ``x``. Every kernel behind the op
+takes such strides (the fused ones read them in place), so the copy is not needed. The op's output
+is always a contiguous (B, H, S, D) tensor, so a ``transpose(1, 2).contiguous()`` after attention
+remains a copy.
+"""
+from torch.fx import Node
+
+from .call import AttentionCall
+from .nodes import op_of
+from .shapes import example_tensor, known_equal
+
+
+def _copied(node: Node):
+    """The source of ``node = source.contiguous()`` when the op can read the source as it is."""
+    if op_of(node) != "contiguous" or len(node.args) > 1 or node.kwargs:
+        return None
+    source = example_tensor(node.args[0])
+    return node.args[0] if source is not None and known_equal(source.stride(-1), 1) else None
+
+
+def drop_contiguous_copies(call: AttentionCall) -> AttentionCall:
+    sources = {name: _copied(getattr(call, name)) for name in ("q", "k", "v")}
+    dropped = {name: source for name, source in sources.items() if source is not None}
+    if not dropped:
+        return call
+    return call.noted(f"dropped .contiguous() of {', '.join(dropped)}", **dropped)

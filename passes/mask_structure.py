@@ -1,0 +1,170 @@
+"""Mask-structure inference: an attention mask built from index arithmetic becomes the op's
+``is_causal``, ``window_left``/``window_right`` and ``key_padding_mask``; the mask is then not built.
+
+Pattern: a mask (bool, or additive ``where(cond, 0, -inf or the dtype's minimum)``) whose element
+(b, h, i, j) is a conjunction of
+    j - i <= r           (``kv <= q + r``: causal when r == 0, a right window edge when r > 0)
+    j - i >= -l          (``kv > q - W``: a left window edge, l = W - 1)
+    padding[b, j]        (a (B, S_k) bool tensor read at the batch and key index: key padding)
+and of conditions true for every index (``q >= 0``). mask_trace.py reads the mask's subgraph as a
+formula; ``classify`` maps its terms to a Structure, which mask_proof.py checks against the formula
+before anything is rewritten.
+
+Left with their mask (and the reason in the site's notes): masks that read data any other way
+(a mask tensor from outside, a mask that depends on the head), document masks
+(``ids[b, i] == ids[b, j]``: they need varlen attention, not done), ORs of conditions, chunked
+masks, windows that exclude the query's own position, offsets only known at run time.
+
+Queries that see no key: the op gives 0, as SDPA does for such rows of a bool mask. An additive
+mask of the dtype's minimum instead gives them the mean of all values (eager Hugging Face
+models' padding queries under left padding); HF never reads those rows.
+"""
+import dataclasses
+import math
+from typing import Optional
+
+import torch
+from torch.fx import Node
+
+from .call import AttentionCall
+from .index_formula import B, HARD_NEGATIVES, I, J, Affine, Compare, Eq, Gather, Le, Number, Select, conjuncts, negate
+from .mask_proof import prove
+from .mask_trace import MaskTracer, Unsupported, fixed_unit_axes
+from .nodes import is_mutated
+from .shapes import example_tensor, hinted_shape, known_shape
+
+
+@dataclasses.dataclass(frozen=True)
+class Structure:
+    left: Optional[int] = None  # j >= i - left
+    right: Optional[int] = None  # j <= i + right
+    key_padding: Optional[Node] = None  # (B, S_k) bool, True = a real key
+
+    def __str__(self) -> str:
+        parts = []
+        if self.right == 0:
+            parts.append("causal")
+        elif self.right is not None:
+            parts.append(f"window_right={self.right}")
+        if self.left is not None:
+            parts.append(f"window_left={self.left}")
+        if self.key_padding is not None:
+            parts.append(f"key_padding_mask={self.key_padding.name}")
+        return " + ".join(parts) or "every key visible"
+
+
+def mask_formula(mask: Node) -> tuple:
+    """The mask's element (b, h, i, j) as a boolean formula (True = the key is visible), and the
+    value that hides a key if the mask is additive (None for a bool mask)."""
+    sym = MaskTracer().trace(mask)
+    if sym.dtype != torch.bool and not sym.dtype.is_floating_point:
+        raise Unsupported(f"mask of dtype {sym.dtype}")
+    if len(sym.shape) > 4:
+        raise Unsupported(f"{len(sym.shape)}-D mask")
+    expr = fixed_unit_axes(sym)
+    if sym.dtype == torch.bool:
+        return expr, None
+    if isinstance(expr, Number) and expr.value == 0:
+        return Number(True), None
+    if isinstance(expr, Select) and expr.if_true == 0 and expr.if_false in HARD_NEGATIVES:
+        return expr.cond, expr.if_false
+    if isinstance(expr, Select) and expr.if_false == 0 and expr.if_true in HARD_NEGATIVES:
+        return negate(expr.cond), expr.if_true
+    raise Unsupported(f"additive mask {expr} is not where(cond, 0, -inf or the dtype's minimum)")
+
+
+def _always_true(value: Affine) -> bool:
+    """value <= 0 for every non-negative index: no positive coefficient, constant <= 0."""
+    return all(c < 0 for _, c in value.coefficients) and value.constant <= 0
+
+
+def _bounds(atom: Le, left, right):
+    value = atom.value
+    if set(dict(value.coefficients)) - {I, J}:
+        raise Unsupported(f"'{atom}' depends on the batch or head index")
+    step = (value.coefficient(I), value.coefficient(J))
+    if step == (-1, 1):  # j - i + c <= 0
+        return left, -value.constant if right is None else min(right, -value.constant)
+    if step == (1, -1):  # i - j + c <= 0
+        return -value.constant if left is None else min(left, -value.constant), right
+    if _always_true(value):
+        return left, right
+    raise Unsupported(f"'{atom}' is not a causal or sliding-window bound")
+
+
+def _is_key_padding(atom) -> bool:
+    return isinstance(atom, Gather) and atom.index == (Affine.index(B), Affine.index(J))
+
+
+def classify(formula) -> Structure:
+    left = right = None
+    padding = set()
+    for atom in conjuncts(formula):
+        if isinstance(atom, Number):
+            if not atom.value:
+                raise Unsupported("the mask hides every key")
+        elif isinstance(atom, Le):
+            left, right = _bounds(atom, left, right)
+        elif isinstance(atom, Eq):
+            left, right = _bounds(Le(-atom.value), *_bounds(Le(atom.value), left, right))
+        elif _is_key_padding(atom):
+            padding.add(atom.source)
+        elif isinstance(atom, Gather):
+            raise Unsupported(f"the mask reads data, {atom}: only key padding [b, j] is structured")
+        elif isinstance(atom, Compare) and _is_document_mask(atom):
+            raise Unsupported(f"document mask '{atom}' needs varlen attention, which is not supported yet")
+        elif isinstance(atom, Compare):
+            raise Unsupported(f"the mask compares data, '{atom}': only key padding [b, j] is structured")
+        else:
+            raise Unsupported(f"'{atom}' is not a causal, sliding-window or key-padding condition")
+    if right is not None and right < 0:
+        raise Unsupported(f"the mask hides the query's own position and {-right - 1} before it (j <= i - {-right})")
+    if left is not None and left < 0:
+        raise Unsupported(f"the mask hides the query's own position (j >= i + {-left})")
+    if len(padding) > 1:
+        raise Unsupported(f"two key-padding tensors: {', '.join(sorted(n.name for n in padding))}")
+    return Structure(left, right, next(iter(padding), None))
+
+
+def _per_token(side) -> Optional[int]:
+    """The axis (i or j) at which ``side`` reads a per-token tensor ids[b, axis], else None."""
+    if isinstance(side, Gather) and len(side.index) == 2 and side.index[0] == Affine.index(B):
+        return next((axis for axis in (I, J) if side.index[1] == Affine.index(axis)), None)
+    return None
+
+
+def _is_document_mask(atom: Compare) -> bool:
+    """ids[b, i] == ids[b, j]: query and key in the same document."""
+    return (atom.op == "eq" and {_per_token(atom.left), _per_token(atom.right)} == {I, J}
+            and atom.left.source is atom.right.source)
+
+
+def _check_key_padding(node: Node, call: AttentionCall) -> None:
+    padding, q, k = (example_tensor(n) for n in (node, call.q, call.k))
+    if padding.dtype != torch.bool or not known_shape(padding, (q.shape[0], k.shape[2])):
+        raise Unsupported(f"key padding {node.name} is {padding.dtype} {hinted_shape(padding)}, not bool (B, S_k)")
+    if is_mutated(node):
+        raise Unsupported(f"key padding {node.name} is modified in place")
+
+
+def infer_mask_structure(call: AttentionCall) -> AttentionCall:
+    if call.attn_mask is None:
+        return call
+    try:
+        formula, hiding = mask_formula(call.attn_mask)
+        structure = classify(formula)
+        if structure.key_padding is not None:
+            _check_key_padding(structure.key_padding, call)
+        q, k = hinted_shape(example_tensor(call.q)), hinted_shape(example_tensor(call.k))
+        prove(formula, structure, q[0], q[2], k[2])
+    except Unsupported as why:
+        return call.noted(f"mask kept: {why}")
+    right = structure.right
+    if call.is_causal:
+        right = 0 if right is None else min(right, 0)
+    window = (-1 if structure.left is None else structure.left, -1 if right in (None, 0) else right)
+    note = f"mask -> {structure}"
+    if hiding not in (None, -math.inf):
+        note += f"; a query that sees no key gets 0, not the mean of v that adding {hiding:.4g} gives"
+    return call.noted(note, attn_mask=None, is_causal=right == 0, window=window,
+                      key_padding_mask=structure.key_padding)

@@ -1,0 +1,376 @@
+"""Read the subgraph that builds a mask as an index formula (index_formula.py).
+
+Each node becomes a ``Sym``: its formula over its own axes, its traced shape and dtype. Handled
+are index arithmetic (arange, +, -, * by a constant, comparisons), logic (&, |, ~), constants
+(zeros, ones, full, new_ones, ...), ``where``/``masked_fill`` of constants, ``tril``/``triu``,
+dtype and device casts, and views (indexing with slices, None and index tensors, unsqueeze,
+view/reshape that only add or drop size-1 axes, expand). A tensor that no arange feeds (an input,
+a buffer, anything computed from data) becomes a ``Gather`` of its own elements, so that e.g.
+``attention_mask[batch_idx, kv_idx]`` reads as ``attention_mask[b, j]``. Any other operation on
+index values raises Unsupported with the operation in its message. Sizes are read from the traced
+values, compared only with ``known_equal``, so reading a mask adds no guard.
+"""
+import dataclasses
+from typing import Callable
+
+import torch
+from torch.fx import Node
+
+from .index_formula import (COMPARISONS, Affine, And, Compare, Eq, Gather, Le, Not, Number, Or, Select, all_of,
+                            any_of, negate, substitute)
+from .nodes import argument, op_of
+from .shapes import constant_int, example_tensor, known_equal
+
+
+class Unsupported(Exception):
+    """Why a mask cannot be structured; the message ends up in the site's notes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Sym:
+    expr: object
+    shape: tuple  # traced sizes (ints, or SymInts under dynamic shapes)
+    dtype: torch.dtype
+
+
+def own_axes(rank: int) -> tuple[Affine, ...]:
+    """The index of each axis of a rank-``rank`` tensor, left to right."""
+    return tuple(Affine.index(p - rank) for p in range(rank))
+
+
+def broadcast(sym: Sym, shape: tuple):
+    """sym's formula seen through broadcasting to ``shape``: a size-1 axis reads index 0."""
+    zeros = {-k: Affine() for k in range(1, len(sym.shape) + 1) if _is_one(sym.shape[-k]) and not _is_one(shape[-k])}
+    return substitute(sym.expr, zeros)
+
+
+def fixed_unit_axes(sym: Sym):
+    """sym's formula with each size-1 axis at index 0, the only index it has."""
+    return substitute(sym.expr, {-k: Affine() for k in range(1, len(sym.shape) + 1) if _is_one(sym.shape[-k])})
+
+
+def _is_one(size) -> bool:
+    return isinstance(size, int) and size == 1
+
+
+def _is_formula(expr) -> bool:
+    """A boolean value: a formula, a bool constant, or an element of a bool data tensor."""
+    if isinstance(expr, Gather):
+        return example_tensor(expr.source).dtype == torch.bool
+    return isinstance(expr, (Le, Eq, And, Or, Not, Compare)) or (
+        isinstance(expr, Number) and isinstance(expr.value, bool))
+
+
+def _is_integer(expr) -> bool:
+    return isinstance(expr, Affine) or (isinstance(expr, Number) and type(expr.value) is int)
+
+
+def _as_affine(expr) -> Affine:
+    return expr if isinstance(expr, Affine) else Affine((), expr.value)
+
+
+class MaskTracer:
+    def __init__(self):
+        self._syms: dict[Node, Sym] = {}
+        self._index_fed: dict[Node, bool] = {}
+
+    def trace(self, node: Node) -> Sym:
+        if node not in self._syms:
+            self._syms[node] = self._trace(node)
+        return self._syms[node]
+
+    def _trace(self, node: Node) -> Sym:
+        out = example_tensor(node)
+        if out is None:
+            raise Unsupported(f"{node.name} is not a tensor")
+        if node.op not in ("call_function", "call_method"):
+            return _leaf(node, out)
+        handler = _HANDLERS.get(op_of(node))
+        if handler is None:
+            if self._fed_by_arange(node):
+                name = op_of(node) or getattr(node.target, "__name__", node.target)
+                raise Unsupported(f"{node.name} = {name}(...) is not index arithmetic")
+            return _leaf(node, out)
+        try:
+            return Sym(handler(self, node, out), tuple(out.shape), out.dtype)
+        except Unsupported:
+            if self._fed_by_arange(node):
+                raise
+            return _leaf(node, out)
+
+    def _fed_by_arange(self, node: Node) -> bool:
+        stack = [node]
+        while stack:
+            n = stack[-1]
+            if n in self._index_fed:
+                stack.pop()
+                continue
+            pending = [i for i in n.all_input_nodes if i not in self._index_fed]
+            if pending:
+                stack.extend(pending)
+                continue
+            stack.pop()
+            self._index_fed[n] = op_of(n) == "arange" or any(self._index_fed[i] for i in n.all_input_nodes)
+        return self._index_fed[node]
+
+    def operand(self, arg, shape: tuple):
+        """A node argument's formula broadcast to ``shape``, or a constant."""
+        if isinstance(arg, Node) and example_tensor(arg) is not None:
+            return broadcast(self.trace(arg), shape)
+        if isinstance(arg, (bool, int, float)):
+            return Number(arg)
+        value = constant_int(arg)
+        if value is None:
+            raise Unsupported(f"{arg} is not a constant")
+        return Number(value)
+
+    def operands(self, node: Node, out: torch.Tensor, count: int = 2) -> list:
+        return [self.operand(a, tuple(out.shape)) for a in node.args[:count]]
+
+
+def _leaf(node: Node, out: torch.Tensor) -> Sym:
+    return Sym(Gather(node, own_axes(out.dim())), tuple(out.shape), out.dtype)
+
+
+def _arange(tracer, node, out):
+    if out.dtype.is_floating_point:
+        raise Unsupported(f"{node.name} is a floating-point arange")
+    start = node.kwargs.get("start", node.args[0] if len(node.args) >= 2 else 0)
+    start = constant_int(start)
+    step = argument(node, 2, "step", 1)
+    if start is None or step != 1:
+        raise Unsupported(f"{node.name}: arange with a start or step that is not a constant (step 1)")
+    return Affine.index(-1) + start
+
+
+def _constant(fill_position: int = -1, fill=None):
+    """zeros/ones (fill given), full/new_full (fill at an argument position)."""
+    def handler(tracer, node, out):
+        value = fill if fill_position < 0 else argument(node, fill_position, "fill_value")
+        if not isinstance(value, (bool, int, float)):
+            raise Unsupported(f"{node.name}: fill value {value} is not a constant")
+        if out.dtype == torch.bool:
+            return Number(bool(value))
+        return Number(float(value) if out.dtype.is_floating_point else int(value))
+    return handler
+
+
+def _add(sign: int):
+    def handler(tracer, node, out):
+        a, b = tracer.operands(node, out)
+        alpha = argument(node, 2, "alpha", 1)
+        if alpha != 1:
+            raise Unsupported(f"{node.name}: add with alpha={alpha}")
+        if _is_integer(a) and _is_integer(b) and not out.dtype.is_floating_point and out.dtype != torch.bool:
+            return _as_affine(a) + _as_affine(b).scaled(sign)
+        if isinstance(a, Number) and isinstance(b, Number):
+            return Number(a.value + sign * b.value)
+        if isinstance(a, Select) and isinstance(b, Number):
+            return Select(a.cond, a.if_true + sign * b.value, a.if_false + sign * b.value)
+        if isinstance(a, Number) and isinstance(b, Select):
+            return Select(b.cond, a.value + sign * b.if_true, a.value + sign * b.if_false)
+        raise Unsupported(f"{node.name}: {op_of(node)} of {a} and {b}")
+    return handler
+
+
+def _mul(tracer, node, out):
+    a, b = tracer.operands(node, out)
+    if isinstance(a, Number):
+        a, b = b, a
+    if not isinstance(b, Number):
+        raise Unsupported(f"{node.name}: product of two index values")
+    if isinstance(a, Affine) and type(b.value) is int:
+        return a.scaled(b.value)
+    if isinstance(a, Number):
+        return Number(a.value * b.value)
+    if isinstance(a, Select):
+        return Select(a.cond, a.if_true * b.value, a.if_false * b.value)
+    raise Unsupported(f"{node.name}: product of {a} and {b}")
+
+
+def _neg(tracer, node, out):
+    (a,) = tracer.operands(node, out, 1)
+    if isinstance(a, Affine):
+        return -a
+    raise Unsupported(f"{node.name}: negation of {a}")
+
+
+def _compare(tracer, node, out):
+    op = op_of(node)
+    a, b = tracer.operands(node, out)
+    if _is_integer(a) and _is_integer(b):
+        diff = _as_affine(a) - _as_affine(b)
+        atoms = {"le": Le(diff), "lt": Le(diff + 1), "ge": Le(-diff), "gt": Le(-diff + 1), "eq": Eq(diff),
+                 "ne": negate(Eq(diff))}
+        return atoms[op]
+    if isinstance(a, Number) and isinstance(b, Number):
+        return Number(bool(COMPARISONS[op](a.value, b.value)))
+    if isinstance(b, Number) and (isinstance(a, Select) or _is_formula(a)):
+        return _compare_two_valued(a, op, b.value)
+    if isinstance(a, Number) and (isinstance(b, Select) or _is_formula(b)):
+        return _compare_two_valued(b, _MIRRORED[op], a.value)
+    if isinstance(a, Select) or isinstance(b, Select):
+        raise Unsupported(f"{node.name}: comparison of two where() values")
+    return Compare(op, a, b)
+
+
+_MIRRORED = {"le": "ge", "lt": "gt", "ge": "le", "gt": "lt", "eq": "eq", "ne": "ne"}
+
+
+def _compare_two_valued(value, op: str, constant):
+    """``where(c, x, y) op constant`` (a boolean formula c being where(c, True, False)): a formula in c."""
+    cond, if_true, if_false = (value.cond, value.if_true, value.if_false) if isinstance(value, Select) else (
+        value, True, False)
+    when_true, when_false = (bool(COMPARISONS[op](x, constant)) for x in (if_true, if_false))
+    if when_true == when_false:
+        return Number(when_true)
+    return cond if when_true else negate(cond)
+
+
+def _logic(tracer, node, out):
+    op = op_of(node)
+    count = 1 if op == "not" else 2
+    if any(tracer.trace(a).dtype != torch.bool for a in node.args[:count] if isinstance(a, Node)):
+        raise Unsupported(f"{node.name}: bitwise {op} of integers")
+    terms = tracer.operands(node, out, count)
+    if not all(_is_formula(t) for t in terms):
+        raise Unsupported(f"{node.name}: {op} of non-boolean values")
+    return negate(terms[0]) if op == "not" else all_of(terms) if op == "and" else any_of(terms)
+
+
+def _where(tracer, node, out):
+    cond, if_true, if_false = tracer.operands(node, out, 3)
+    if not (_is_formula(cond) and isinstance(if_true, Number) and isinstance(if_false, Number)):
+        raise Unsupported(f"{node.name}: where() whose values are not two constants")
+    return Select(cond, if_true.value, if_false.value)
+
+
+def _masked_fill(tracer, node, out):
+    base, cond, value = tracer.operands(node, out, 3)
+    if not (isinstance(base, Number) and _is_formula(cond) and isinstance(value, Number)):
+        raise Unsupported(f"{node.name}: masked_fill of a tensor that is not a constant")
+    return Select(cond, value.value, base.value)
+
+
+def _triangle(keep: Callable[[int], Affine]):
+    """tril/triu: keep where ``keep(diagonal) <= 0``, zero elsewhere."""
+    def handler(tracer, node, out):
+        (base,) = tracer.operands(node, out, 1)
+        diagonal = argument(node, 1, "diagonal", 0)
+        if not isinstance(diagonal, int):
+            raise Unsupported(f"{node.name}: diagonal {diagonal} is not a constant")
+        kept = Le(keep(diagonal))
+        if _is_formula(base):
+            return all_of((base, kept))
+        if isinstance(base, Number):
+            return Select(kept, base.value, 0)
+        raise Unsupported(f"{node.name}: {op_of(node)} of {base}")
+    return handler
+
+
+def _cast(tracer, node, out):
+    source = tracer.trace(node.args[0])
+    if source.dtype == out.dtype:
+        return source.expr
+    if isinstance(source.expr, Number):
+        convert = bool if out.dtype == torch.bool else float if out.dtype.is_floating_point else int
+        return Number(convert(source.expr.value))
+    if _is_formula(source.expr) and out.dtype.is_floating_point:
+        return Select(source.expr, 1.0, 0.0)
+    raise Unsupported(f"{node.name}: cast from {source.dtype} to {out.dtype}")
+
+
+def _same(tracer, node, out):
+    return tracer.trace(node.args[0]).expr
+
+
+def _expand(tracer, node, out):
+    return broadcast(tracer.trace(node.args[0]), tuple(out.shape))
+
+
+def _unit_axes_changed(tracer, node, out):
+    """view/reshape/unsqueeze/squeeze that only insert or remove size-1 axes."""
+    source = tracer.trace(node.args[0])
+    kept_in = [p for p, s in enumerate(source.shape) if not _is_one(s)]
+    kept_out = [p for p, s in enumerate(out.shape) if not _is_one(s)]
+    if len(kept_in) != len(kept_out) or not all(
+            known_equal(source.shape[p], out.shape[q]) for p, q in zip(kept_in, kept_out)):
+        raise Unsupported(f"{node.name}: a reshape that moves data between axes")
+    rank_in, rank_out = len(source.shape), out.dim()
+    mapping = {p - rank_in: Affine() for p in range(rank_in)}
+    mapping.update({p - rank_in: Affine.index(q - rank_out) for p, q in zip(kept_in, kept_out)})
+    return substitute(source.expr, mapping)
+
+
+def _getitem(tracer, node, out):
+    source = tracer.trace(node.args[0])
+    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    if any(isinstance(i, Node) and example_tensor(i) is not None for i in index):
+        return _advanced_index(tracer, node, out, source, index)
+    return _basic_index(node, out, source, index)
+
+
+def _basic_index(node, out, source: Sym, index: tuple):
+    rank_in = len(source.shape)
+    consumed = sum(1 for i in index if i is not None and i is not Ellipsis)
+    expanded = []
+    for i in index:
+        expanded.extend([slice(None)] * (rank_in - consumed) if i is Ellipsis else [i])
+    if Ellipsis not in index:
+        expanded.extend([slice(None)] * (rank_in - consumed))
+    positions, p_in, p_out = {}, 0, 0
+    for i in expanded:
+        if i is None:
+            p_out += 1
+            continue
+        if isinstance(i, slice):
+            start = 0 if i.start is None else constant_int(i.start)
+            if start is None or start < 0 or i.step not in (None, 1):
+                raise Unsupported(f"{node.name}: slice {i} with a start that is not a non-negative constant")
+            positions[p_in] = (p_out, start)
+            p_out += 1
+        elif isinstance(i, int) and not isinstance(i, bool) and i >= 0:
+            positions[p_in] = (None, i)
+        else:
+            raise Unsupported(f"{node.name}: index {i}")
+        p_in += 1
+    if p_out != out.dim():
+        raise Unsupported(f"{node.name}: indexing with an unexpected result rank")
+    mapping = {p - rank_in: (Affine() if q is None else Affine.index(q - p_out)) + offset
+               for p, (q, offset) in positions.items()}
+    return substitute(source.expr, mapping)
+
+
+def _advanced_index(tracer, node, out, source: Sym, index: tuple):
+    """source[t_0, ..., t_n] with one integer index tensor per axis."""
+    if len(index) != len(source.shape):
+        raise Unsupported(f"{node.name}: indexing that mixes index tensors with slices")
+    rank_in, shape = len(source.shape), tuple(out.shape)
+    mapping = {}
+    for p, i in enumerate(index):
+        value = tracer.operand(i, shape)
+        if not _is_integer(value):
+            raise Unsupported(f"{node.name}: index {i} is data, not index arithmetic")
+        mapping[p - rank_in] = _as_affine(value)
+    return substitute(source.expr, mapping)
+
+
+_HANDLERS = {
+    "arange": _arange,
+    "zeros": _constant(fill=0), "new_zeros": _constant(fill=0), "zeros_like": _constant(fill=0),
+    "ones": _constant(fill=1), "new_ones": _constant(fill=1), "ones_like": _constant(fill=1),
+    "full": _constant(fill_position=1), "new_full": _constant(fill_position=2),
+    "add": _add(1), "sub": _add(-1), "mul": _mul, "neg": _neg,
+    **{op: _compare for op in COMPARISONS},
+    "and": _logic, "or": _logic, "not": _logic,
+    "where": _where, "masked_fill": _masked_fill,
+    "tril": _triangle(lambda k: Affine.index(-1) - Affine.index(-2) - k),  # keep j - i <= k
+    "triu": _triangle(lambda k: Affine.index(-2) - Affine.index(-1) + k),  # keep j - i >= k
+    "to": _cast, "type": _cast, "type_as": _cast, "bool": _cast, "float": _cast, "int": _cast, "long": _cast,
+    "half": _cast, "bfloat16": _cast, "double": _cast,
+    "contiguous": _same, "clone": _same, "detach": _same,
+    "expand": _expand, "expand_as": _expand,
+    "view": _unit_axes_changed, "reshape": _unit_axes_changed, "unsqueeze": _unit_axes_changed,
+    "squeeze": _unit_axes_changed,
+    "getitem": _getitem,
+}

@@ -1,0 +1,200 @@
+"""Find hand-written softmax attention (HF "eager" attention, nanoGPT, timm ViT; the forms of
+Inductor's fuse_attention.py patterns, at the level of dynamo's graphs).
+
+Pattern, from the value matmul back (brackets: optional; any spelling: ``@``, torch.matmul, bmm,
+.matmul; F.softmax, torch.softmax, .softmax; * or .mul, / or .div):
+
+    scores = [q * c_q] @ k.transpose(-2, -1)               # or k.mT, k.permute(0, 1, 3, 2)
+    scores = [scores * c | scores / c]                      # c a constant, or torch.full((), c)
+    scores = [scores + mask | scores.masked_fill(cond, NEG) | torch.where(cond, scores, NEG)]
+    scores = [scores.float() | scores.to(dtype)]
+    probs  = softmax(scores, dim=-1 [, dtype=float32])
+    probs  = [probs.to(dtype) | probs.type(dtype) | probs.type_as(x)]
+    probs  = [dropout(probs, p, training)]                  # with p == 0 or training False
+    out    = probs @ v
+
+Replacement: ``attn_cp.attention(q, k, v, attn_mask, scale=c_q * c)`` (scale 1 when none is
+written), where attn_mask is ``mask`` (additive), ``~cond`` (masked_fill) or ``cond`` (where),
+and NEG is -inf or a dtype's minimum. Not matched, so left to compile as written: a softmax over
+another axis, anything else between the score matmul and the value matmul (a scale after the
+softmax, a mask before the scale, ...), k not transposed in its last two axes. Matched but left,
+with the reason: dropout that is active, intermediate results used elsewhere (e.g. returned
+attention weights), masked_fill with another value, a scale known only at run time.
+"""
+import dataclasses
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch.fx import Node
+
+from .call import AttentionCall, Left
+from .index_formula import HARD_NEGATIVES
+from .nodes import argument, op_of
+from .shapes import example_tensor, example_value
+
+_CASTS = ("to", "type", "type_as", "float", "double", "half", "bfloat16")
+_UPCASTS = (None, torch.float32, torch.float64)
+
+
+RUNTIME = "the scale is only known at run time"
+
+
+@dataclasses.dataclass
+class _Match:
+    q: Node
+    k: Node
+    v: Optional[Node] = None
+    scale: float = 1.0
+    mask: Optional[Node] = None
+    mask_hides: bool = False  # a bool mask that is True at the hidden keys (masked_fill's)
+    chain: list = dataclasses.field(default_factory=list)  # the nodes between the two matmuls
+    reasons: list = dataclasses.field(default_factory=list)  # why the site stays as it is
+
+
+def _constant(arg):
+    """A non-zero number, from Python or a 0-d ``torch.full((), c)``; RUNTIME for a symbolic one."""
+    if op_of(arg) == "full" and argument(arg, 0, "size") in ((), []):
+        arg = argument(arg, 1, "fill_value")
+    if isinstance(arg, Node) and isinstance(example_value(arg), (torch.SymFloat, torch.SymInt)):
+        return RUNTIME
+    return float(arg) if isinstance(arg, (int, float)) and not isinstance(arg, bool) and arg != 0 else None
+
+
+def _scaled(node) -> tuple:
+    """``x * c``, ``c * x`` or ``x / c``: (x, factor), or (node, 1.0) when it is no scaling."""
+    if op_of(node) == "mul":
+        for x, c in (node.args[:2], node.args[1::-1]):
+            factor = _constant(c)
+            if isinstance(x, Node) and factor is not None:
+                return x, factor
+    if op_of(node) == "div" and isinstance(node.args[0], Node) and len(node.args) == 2 and not node.kwargs:
+        factor = _constant(node.args[1])
+        if factor is not None:
+            return node.args[0], factor if factor == RUNTIME else 1.0 / factor
+    return node, 1.0
+
+
+def _transposed(kt) -> Optional[Node]:
+    """k from ``k.transpose(-2, -1)`` (any spelling of the last two axes), ``k.mT`` or ``k.permute(0, 1, 3, 2)``."""
+    t = example_tensor(kt)
+    if t is None or t.dim() < 3:
+        return None
+    if op_of(kt) == "mT":
+        return kt.args[0]
+    last_two = {t.dim() - 2, t.dim() - 1}
+    if op_of(kt) == "transpose":
+        dims = {d % t.dim() for d in (argument(kt, 1, "dim0"), argument(kt, 2, "dim1"))}
+        return kt.args[0] if dims == last_two else None
+    if op_of(kt) == "permute":
+        dims = kt.args[1] if len(kt.args) == 2 and isinstance(kt.args[1], (tuple, list)) else kt.args[1:]
+        swapped = list(range(t.dim() - 2)) + [t.dim() - 1, t.dim() - 2]
+        return kt.args[0] if [d % t.dim() for d in dims] == swapped else None
+    return None
+
+
+def _scores(node) -> Optional[_Match]:
+    """``[q * c_q] @ k.transpose(-2, -1) [* c]``."""
+    product, scale = _scaled(node)
+    if op_of(product) != "matmul":
+        return None
+    k = _transposed(product.args[1])
+    if k is None:
+        return None
+    q, q_scale = _scaled(product.args[0])
+    if RUNTIME in (scale, q_scale):
+        return _Match(q, k, chain=[product, node], reasons=[RUNTIME])
+    return _Match(q, k, scale=scale * q_scale, chain=[product, node])
+
+
+def _masked(node) -> Optional[_Match]:
+    """``scores [+ mask | .masked_fill(cond, NEG) | where(cond, scores, NEG)]``."""
+    op = op_of(node)
+    if op == "add" and len(node.args) == 2 and not node.kwargs:
+        for scores, mask in (node.args, node.args[::-1]):
+            match = _scores(scores) if isinstance(scores, Node) else None
+            if match is not None and example_tensor(mask) is not None:
+                if not example_tensor(mask).dtype.is_floating_point:
+                    match.reasons.append(f"the scores are added to {mask.name}, which is not a floating-point mask")
+                match.mask, match.chain = mask, match.chain + [node]
+                return match
+    if op in ("masked_fill", "where"):
+        scores, cond, fill = (node.args[0], node.args[1], argument(node, 2, "value")) if op == "masked_fill" else (
+            node.args[1], node.args[0], node.args[2])
+        match = _scores(scores) if isinstance(scores, Node) else None
+        if match is not None and example_tensor(cond) is not None:
+            if fill not in HARD_NEGATIVES:
+                match.reasons.append(f"{op} with {fill}, not -inf or a dtype's minimum: not a mask")
+            match.mask, match.mask_hides, match.chain = cond, op == "masked_fill", match.chain + [node]
+            return match
+    return _scores(node)
+
+
+def _cast(node) -> Node:
+    return node.args[0] if op_of(node) in _CASTS else node
+
+
+def _softmax(node) -> Optional[Node]:
+    if op_of(node) != "softmax":
+        return None
+    t = example_tensor(node)
+    dtype = argument(node, 3 if node.target is F.softmax else 2, "dtype")  # F.softmax(input, dim, _stacklevel, dtype)
+    dim = argument(node, 1, "dim")
+    if not isinstance(dim, int) or dim % t.dim() != t.dim() - 1 or dtype not in _UPCASTS:
+        return None
+    return node.args[0]
+
+
+def _active_dropout(node) -> Optional[str]:
+    p, training = argument(node, 1, "p", 0.5), argument(node, 2, "training", True)
+    if isinstance(p, Node) or isinstance(training, Node):
+        return "dropout p or training is only known at run time"
+    return f"dropout p={p} while training: the fused op has no dropout" if p and training else None
+
+
+def _match(anchor: Node) -> Optional[_Match]:
+    """The whole pattern, from ``probs @ v`` back."""
+    if op_of(anchor) != "matmul" or not isinstance(anchor.args[0], Node):
+        return None
+    probs, chain, reasons = anchor.args[0], [], []
+    if op_of(probs) == "dropout":
+        chain.append(probs)
+        reasons += [r for r in [_active_dropout(probs)] if r]
+        probs = probs.args[0]
+    for step in (_cast, _softmax, _cast):
+        if not isinstance(probs, Node):
+            return None
+        chain.append(probs)
+        probs = step(probs)
+        if probs is None:
+            return None
+    match = _masked(probs) if isinstance(probs, Node) else None
+    if match is None:
+        return None
+    match.v = anchor.args[1]
+    match.chain = list(dict.fromkeys(chain + match.chain))
+    match.reasons = reasons + match.reasons
+    return match
+
+
+def _negated(anchor: Node, cond: Node) -> Node:
+    with anchor.graph.inserting_before(anchor):
+        negated = anchor.graph.call_function(torch.logical_not, (cond,))
+    negated.meta["example_value"] = example_value(cond)  # same shape and dtype
+    return negated
+
+
+def find(node: Node) -> Union[AttentionCall, Left, None]:
+    match = _match(node)
+    if match is None or not all(example_tensor(t) is not None and example_tensor(t).dim() >= 3
+                                for t in (match.q, match.k, match.v)):
+        return None
+    tensors = {"q": match.q, "k": match.k, "v": match.v, "attn_mask": match.mask}
+    shared = next((n for n in match.chain if len(n.users) > 1), None)
+    if shared is not None:
+        match.reasons.append(f"{shared.name} is also used by {', '.join(u.name for u in shared.users)}")
+    if match.reasons:
+        return Left(node, match.reasons[0], tensors)
+    mask = _negated(node, match.mask) if match.mask_hides else match.mask
+    return AttentionCall(node, match.q, match.k, match.v, attn_mask=mask, scale=match.scale,
+                         notes=("hand-written softmax attention",))

@@ -1,0 +1,95 @@
+"""Reading dynamo graph nodes by what they compute, whatever the spelling (``torch.f(x)``,
+``x.f()`` or an operator), and removing the nodes a rewrite leaves unused."""
+import operator
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch.fx import Graph, Node
+
+# Function targets by the name of the tensor method that computes the same thing.
+_FUNCTIONS = {
+    torch.matmul: "matmul", operator.matmul: "matmul", torch.bmm: "matmul",
+    F.softmax: "softmax", torch.softmax: "softmax",
+    F.dropout: "dropout",
+    operator.mul: "mul", torch.mul: "mul", operator.truediv: "div", torch.div: "div",
+    operator.add: "add", torch.add: "add", operator.sub: "sub", torch.sub: "sub",
+    operator.neg: "neg", torch.neg: "neg",
+    operator.le: "le", operator.lt: "lt", operator.ge: "ge", operator.gt: "gt", operator.eq: "eq", operator.ne: "ne",
+    torch.le: "le", torch.lt: "lt", torch.ge: "ge", torch.gt: "gt", torch.eq: "eq", torch.ne: "ne",
+    operator.and_: "and", operator.or_: "or", operator.invert: "not",
+    torch.logical_and: "and", torch.logical_or: "or", torch.logical_not: "not",
+    torch.bitwise_and: "and", torch.bitwise_or: "or", torch.bitwise_not: "not",
+    torch.where: "where", torch.masked_fill: "masked_fill",
+    torch.tril: "tril", torch.triu: "triu",
+    torch.transpose: "transpose", torch.permute: "permute",
+    torch.unsqueeze: "unsqueeze", torch.squeeze: "squeeze", torch.reshape: "reshape", torch.flatten: "flatten",
+    torch.repeat_interleave: "repeat_interleave",
+    torch.arange: "arange", torch.zeros: "zeros", torch.ones: "ones", torch.full: "full",
+    torch.zeros_like: "zeros_like", torch.ones_like: "ones_like",
+    operator.getitem: "getitem",
+}
+_METHODS = {
+    "__and__": "and", "__or__": "or", "__invert__": "not", "logical_and": "and", "logical_or": "or",
+    "logical_not": "not", "bitwise_and": "and", "bitwise_or": "or", "bitwise_not": "not",
+    "__getitem__": "getitem",
+}
+
+
+def op_of(node) -> Optional[str]:
+    """The tensor-method name of what ``node`` computes, or None for placeholders and unknown calls."""
+    if not isinstance(node, Node):
+        return None
+    if node.op == "call_method":
+        return _METHODS.get(node.target, node.target)
+    if node.op == "call_function":
+        if node.target is getattr:  # a tensor attribute, e.g. x.mT
+            return node.args[1]
+        try:
+            return _FUNCTIONS.get(node.target)
+        except TypeError:  # an unhashable target
+            return None
+    return None
+
+
+def argument(node: Node, position: int, name: str, default=None):
+    """Argument ``name`` of a call, given by keyword or at ``position`` (the tensor itself is
+    position 0 in both the function and the method spelling)."""
+    if name in node.kwargs:
+        return node.kwargs[name]
+    return node.args[position] if len(node.args) > position else default
+
+
+_INPLACE_OPERATORS = (operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                      operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior,
+                      operator.ixor, operator.ilshift, operator.irshift)
+
+
+def mutates(node: Node) -> bool:
+    """An in-place call: ``x.add_(y)``, ``torch.relu_(x)``, ``x[i] = y``, ``x &= y``."""
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.startswith("_")
+    if node.op == "call_function":
+        if any(node.target is op for op in _INPLACE_OPERATORS):
+            return True
+        name = getattr(node.target, "__name__", "")
+        return name.endswith("_") and getattr(node.target, "__module__", "") != "_operator"  # not operator.and_
+    return False
+
+
+def is_mutated(node: Node) -> bool:
+    return any(mutates(user) and user.args and user.args[0] is node for user in node.users)
+
+
+def erase_unused(graph: Graph, nodes) -> None:
+    """Erase the given nodes, and then their inputs, as far as they have no users left and no effects."""
+    stack, erased = [n for n in nodes if isinstance(n, Node)], set()
+    while stack:
+        node = stack.pop()
+        if node in erased or node.users or node.op not in ("call_function", "call_method"):
+            continue
+        if mutates(node) or node.is_impure():
+            continue
+        stack.extend(node.all_input_nodes)
+        graph.erase_node(node)
+        erased.add(node)

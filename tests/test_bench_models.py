@@ -1,0 +1,17 @@
+"""The model benchmark runs end to end on the CPU (--tiny): a table row per measure, all sites rewritten."""
+import re
+
+import pytest
+
+pytest.importorskip("transformers")
+
+
+def test_tiny_benchmark_runs(capsys):
+    from attn_compile.bench_models import main
+
+    assert main(["--tiny", "--compiler", "aot_eager"]) == 0
+    out = capsys.readouterr().out
+    for model, structure in (("llama3-8b", "causal"), ("mistral-7b", "causal \\+ window_left=15")):
+        for measure in ("attention fwd", "attention fwd\\+bwd", "step fwd\\+bwd"):
+            assert re.search(rf"^{model} +1 +32  {measure} +[\d.]+ +[\d.]+ +[\d.]+x$", out, re.M), out
+        assert re.search(rf"1 of 1 attention sites rewritten; .*mask -> {structure} \+ key_padding_mask", out), out

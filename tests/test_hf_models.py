@@ -1,0 +1,209 @@
+"""Tiny random-weight Hugging Face models (built from configs, never downloaded) compiled with
+backend="attn_cp": logits and gradients equal eager for batches with left and with right padding,
+every layer's attention is rewritten, and the graph handed to the inner compiler computes no
+S x S mask and no repeat_kv copy: k and v reach the op with their own head count."""
+import dataclasses
+from typing import Callable
+
+import pytest
+import torch
+
+import attn_compile.backend as backend
+from oracle import rel_err
+
+transformers = pytest.importorskip("transformers")
+
+SEQ, LAYERS, TOLERANCE = 22, 2, 1e-4
+ATTENTION = torch.ops.attn_cp.attention.default
+
+
+@dataclasses.dataclass
+class Case:
+    build: Callable  # -> (model, kv heads)
+    op_kwargs: dict  # the keyword arguments every op call gets (key_padding_mask: True = a (B, S) bool tensor)
+    is_causal: bool
+    inputs: str = "text"  # "text" (ids and attention mask) or "image"
+    no_key_rows_match: bool = True  # rows that see no key (left padding, causal): 0 in both, or eager averages
+    inner: str = "aot_eager"  # for the forward; training always uses aot_eager (Inductor's CPU backward
+    # compiles would take most of this file's time budget)
+
+
+def _decoder(model_type: str, attn="sdpa", **overrides):
+    """Builds <model_type>ForCausalLM; transformers' model modules are imported only when a test runs."""
+    def build():
+        config_cls, model_cls = (getattr(transformers, f"{model_type}{kind}") for kind in ("Config", "ForCausalLM"))
+        config = config_cls(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+                            num_attention_heads=4, max_position_embeddings=64, **overrides)
+        config._attn_implementation = attn
+        return model_cls(config), config.num_key_value_heads
+    return build
+
+
+def _gpt2():
+    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=LAYERS, n_head=4, n_positions=64,
+                                     attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    config._attn_implementation = "eager"
+    return transformers.GPT2LMHeadModel(config), 4
+
+
+def _bert():
+    config = transformers.BertConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+                                     num_attention_heads=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    config._attn_implementation = "eager"
+    return transformers.BertModel(config, add_pooling_layer=False), 4
+
+
+def _vit():
+    config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=4,
+                                    intermediate_size=64, image_size=16, patch_size=4, hidden_dropout_prob=0.0,
+                                    attention_probs_dropout_prob=0.0)
+    config._attn_implementation = "eager"
+    return transformers.ViTModel(config, add_pooling_layer=False), 4
+
+
+CASES = {
+    "llama": Case(_decoder("Llama", num_key_value_heads=2),
+                  {"key_padding_mask": True}, is_causal=True, inner="inductor"),
+    "llama_eager": Case(_decoder("Llama", attn="eager", num_key_value_heads=2),
+                        {"key_padding_mask": True}, is_causal=True, no_key_rows_match=False),
+    "qwen2": Case(_decoder("Qwen2", num_key_value_heads=2, use_sliding_window=True, sliding_window=6,
+                           max_window_layers=0),
+                  {"window_left": 5, "key_padding_mask": True}, is_causal=True),
+    "mistral": Case(_decoder("Mistral", num_key_value_heads=1, sliding_window=8),
+                    {"window_left": 7, "key_padding_mask": True}, is_causal=True),
+    "deepseek_v3": Case(_decoder("DeepseekV3", num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16,
+                                 qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=6,  # MLA: d_qk 12, d_v 6
+                                 moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                                 topk_group=1, first_k_dense_replace=1),
+                        {"key_padding_mask": True}, is_causal=True),
+    "gpt2": Case(_gpt2, {"key_padding_mask": True}, is_causal=True, no_key_rows_match=False),
+    "bert": Case(_bert, {"key_padding_mask": True}, is_causal=False),
+    "vit": Case(_vit, {}, is_causal=False, inputs="image"),
+}
+
+
+@pytest.fixture
+def inner_graphs(monkeypatch):
+    graphs = []
+    inner = backend._inner_compile
+
+    def recording(gm, example_inputs, *args):
+        graphs.append(gm)
+        return inner(gm, example_inputs, *args)
+
+    monkeypatch.setattr(backend, "_inner_compile", recording)
+    torch._dynamo.reset()
+    return graphs
+
+
+def _batches(case: Case):
+    """Two batches of one shape: right padding (22 and 14 real tokens), then left padding (16 and 11)."""
+    if case.inputs == "image":
+        return [{"pixel_values": torch.randn(2, 3, 16, 16)} for _ in range(2)]
+    ids = torch.randint(0, 64, (2, SEQ))
+    right = torch.ones(2, SEQ, dtype=torch.long)
+    right[1, 14:] = 0
+    left = torch.ones(2, SEQ, dtype=torch.long)
+    left[0, :6], left[1, :11] = 0, 0
+    extra = {} if case.build is _bert else {"use_cache": False}
+    return [{"input_ids": ids, "attention_mask": mask, **extra} for mask in (right, left)]
+
+
+def _output(result):
+    return result.logits if hasattr(result, "logits") else result.last_hidden_state
+
+
+def _compared_rows(case: Case, batch) -> torch.Tensor:
+    """(B, S) positions to compare: all, or those that see a key when eager averages the others."""
+    if "attention_mask" not in batch or case.no_key_rows_match:
+        return torch.ones(_output_shape(batch)[:2], dtype=torch.bool)
+    return batch["attention_mask"].cumsum(-1) > 0
+
+
+def _output_shape(batch):
+    return (2, 17) if "pixel_values" in batch else batch["input_ids"].shape
+
+
+def _loss(output, batch) -> torch.Tensor:
+    real = batch.get("attention_mask", torch.ones(_output_shape(batch), dtype=torch.long)).bool()
+    return output.logsumexp(-1)[real].mean()
+
+
+def _assert_gradients_close(got, want):
+    """Each gradient within TOLERANCE relative error; gradients that are zero but for rounding
+    (the softmax is blind to a key bias) are measured against 1e-3 of the whole gradient's norm."""
+    total = torch.cat([w.flatten() for w in want]).norm()
+    for g, w in zip(got, want):
+        assert (g - w).norm() <= TOLERANCE * max(w.norm(), 1e-3 * total)
+
+
+def _live_nodes(gm):
+    live, stack = set(), [n for n in gm.graph.nodes if n.op == "output"]
+    while stack:
+        node = stack.pop()
+        if node not in live:
+            live.add(node)
+            stack.extend(node.all_input_nodes)
+    return live
+
+
+def _check_graph(gm, case: Case, kv_heads: int, seq: int):
+    ops = [n for n in gm.graph.nodes if n.target is ATTENTION]
+    assert len(ops) == LAYERS
+    for op in ops:
+        q, k, v = (a.meta["example_value"] for a in op.args[:3])
+        assert k.shape[1] == v.shape[1] == kv_heads
+        assert op.args[3] is None and op.args[4] is case.is_causal
+        kwargs = dict(op.kwargs)
+        if "key_padding_mask" in kwargs:
+            padding = kwargs["key_padding_mask"].meta["example_value"]
+            kwargs["key_padding_mask"] = padding.dtype == torch.bool and tuple(padding.shape) == (2, seq)
+        assert kwargs == case.op_kwargs
+    for node in _live_nodes(gm):
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.Tensor):
+            assert tuple(value.shape[-2:]) != (seq, seq), f"{node.format_node()} is an S x S tensor"
+        assert node.target not in (torch.softmax, torch.nn.functional.softmax, "softmax", "repeat_interleave")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_model(name, inner_graphs):
+    case = CASES[name]
+    torch.manual_seed(0)
+    model, kv_heads = case.build()
+    batches = _batches(case)
+    model.eval()
+    compiled = torch.compile(model, backend="attn_cp", options={"inner": case.inner}, fullgraph=True)
+    with torch.no_grad():
+        for batch in batches:
+            rows = _compared_rows(case, batch)
+            assert rel_err(_output(compiled(**batch))[rows], _output(model(**batch))[rows]) <= TOLERANCE
+    model.train()
+    compiled = torch.compile(model, backend="attn_cp", options={"inner": "aot_eager"}, fullgraph=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    for batch in batches:
+        got = torch.autograd.grad(_loss(_output(compiled(**batch)), batch), params)
+        want = torch.autograd.grad(_loss(_output(model(**batch)), batch), params)
+        _assert_gradients_close(got, want)
+    assert len(inner_graphs) == 2  # eval and train; the second batch reused each
+    seq = 17 if case.inputs == "image" else SEQ
+    for gm in inner_graphs:
+        _check_graph(gm, case, kv_heads, seq)
+
+
+def test_new_sequence_length_reuses_the_graph(inner_graphs):
+    torch.manual_seed(0)
+    model, _ = CASES["mistral"].build()
+    compiled = torch.compile(model.eval(), backend="attn_cp", options={"inner": "aot_eager"}, dynamic=True)
+    compiled_after_first = None
+    for seq in (SEQ, 29, 37):
+        ids, padding = torch.randint(0, 64, (2, seq)), torch.ones(2, seq, dtype=torch.long)
+        padding[1, -5:] = 0
+        with torch.no_grad():
+            got = compiled(input_ids=ids, attention_mask=padding, use_cache=False).logits
+            want = model(input_ids=ids, attention_mask=padding, use_cache=False).logits
+        assert rel_err(got, want) <= TOLERANCE
+        compiled_after_first = compiled_after_first or len(inner_graphs)
+    assert len(inner_graphs) == compiled_after_first
+    ops = [n for gm in inner_graphs for n in gm.graph.nodes if n.target is ATTENTION]
+    assert [(op.args[3], op.args[4], op.kwargs["window_left"]) for op in ops] == [(None, True, 7)] * LAYERS

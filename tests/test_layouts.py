@@ -1,0 +1,44 @@
+"""q, k, v laid out (B, S, H, D) and transposed reach the op as views: no .contiguous() copy."""
+import torch
+import torch.nn.functional as F
+from expecttest import TestCase
+
+from compiled import assert_matches_eager, rewrite
+
+
+def bshd_attention(q, k, v):
+    q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+
+
+def head_dim_strided(q, k, v):
+    return F.scaled_dot_product_attention(q, k.transpose(-1, -2).contiguous(), v)
+
+
+class TestLayouts(TestCase):
+    def test_contiguous_copies_are_dropped(self):
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(2, 24, 4, 16, requires_grad=True) for _ in range(3))
+        graph, sites = rewrite(bshd_attention, q, k, v)
+        self.assertExpectedInline(graph, """\
+l_q_ = input
+l_k_ = input
+l_v_ = input
+transpose = transpose(l_q_, 1, 2)
+transpose_1 = transpose(l_k_, 1, 2)
+transpose_2 = transpose(l_v_, 1, 2)
+attention_default = attn_cp.attention.default(transpose, transpose_1, transpose_2, None, True, None)
+getitem = getitem(attention_default, 0)
+transpose_3 = transpose(getitem, 1, 2)
+return (transpose_3)""")
+        self.assertEqual(sites[0].notes, ["dropped .contiguous() of q, k, v"])
+        assert_matches_eager(bshd_attention, q, k, v)
+
+    def test_copy_of_a_tensor_strided_in_its_last_axis_is_kept(self):
+        torch.manual_seed(0)
+        q, v = (torch.randn(2, 4, 24, 16, requires_grad=True) for _ in range(2))
+        kt = torch.randn(2, 4, 16, 24, requires_grad=True)
+        graph, sites = rewrite(head_dim_strided, q, kt, v)
+        self.assertIn("attn_cp.attention.default(l_q_, contiguous, l_v_, None, False, None)", graph)
+        self.assertEqual(sites[0].notes, [])
+        assert_matches_eager(head_dim_strided, q, kt, v)

@@ -1,0 +1,204 @@
+"""Masks built from index arithmetic become causal / window / key-padding arguments of the op;
+every other mask stays a tensor, with the reason in the site's notes."""
+import torch
+import torch.nn.functional as F
+from expecttest import TestCase
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from attn_compile.passes.index_formula import Affine, Eq, Le
+from attn_compile.passes.mask_proof import prove
+from attn_compile.passes.mask_structure import Structure, classify
+from attn_compile.passes.mask_trace import Unsupported
+from compiled import assert_matches_eager, rewrite
+from oracle import rel_err
+
+
+def hf_mask(pad, window=0, q_offset=0):
+    """transformers.masking_utils.sdpa_mask's construction: AND of index comparisons and pad[b, kv]."""
+    b, s = pad.shape
+    batch = torch.arange(b)[:, None, None, None]
+    q = (torch.arange(s) + q_offset)[None, None, :, None]
+    kv = (torch.arange(s) + 0)[None, None, None, :]
+    mask = q.new_ones((), dtype=torch.bool) & (kv <= q)
+    if window:
+        mask = mask & (kv > q - window)
+    return (mask & pad[batch, kv]).expand(b, -1, s, s)
+
+
+def attend(mask_fn):
+    def fn(q, k, v, *data):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask_fn(q, *data), enable_gqa=True)
+    return fn
+
+
+def _inputs(s=24, padded=True):
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, s, 16, requires_grad=True)
+    k, v = (torch.randn(2, 2, s, 16, requires_grad=True) for _ in range(2))
+    pad = torch.ones(2, s, dtype=torch.bool)
+    if padded:
+        pad[0, :5] = False  # left padding
+        pad[1, -7:] = False  # right padding
+    return q, k, v, pad
+
+
+CASES = {
+    "hf causal + padding": (lambda q, pad: hf_mask(pad), "True, None, key_padding_mask=l_data_0_"),
+    "hf sliding window + padding": (lambda q, pad: hf_mask(pad, window=6),
+                                    "True, None, window_left=5, key_padding_mask=l_data_0_"),
+    "hf bidirectional + padding": (lambda q, pad: (torch.arange(q.shape[2])[None, None, :, None] >= 0)
+                                   & pad[:, None, None, :], "False, None, key_padding_mask=l_data_0_"),
+    "query offset": (lambda q, pad: hf_mask(pad, q_offset=3),
+                     "False, None, window_right=3, key_padding_mask=l_data_0_"),
+    "tril of ones": (lambda q, pad: torch.tril(torch.ones(q.shape[2], q.shape[2], dtype=torch.bool)), "True, None"),
+    "additive triu of -inf": (lambda q, pad: torch.triu(torch.full((q.shape[2], q.shape[2]), float("-inf")), 1),
+                              "True, None"),
+    "additive where of -inf": (lambda q, pad: torch.where(hf_mask(pad, window=4), torch.zeros(()), float("-inf")),
+                               "True, None, window_left=3, key_padding_mask=l_data_0_"),
+    "band via abs-free comparisons": (
+        lambda q, pad: (lambda i, j: (j - i <= 2) & (i - j <= 2))(torch.arange(24)[:, None], torch.arange(24)),
+        "False, None, window_left=2, window_right=2"),
+}
+
+
+class TestStructuredMasks(TestCase):
+    def test_hf_mask_graph(self):
+        graph, sites = rewrite(attend(lambda q, pad: hf_mask(pad)), *_inputs())
+        self.assertExpectedInline(graph, """\
+l_data_0_ = input
+l_q_ = input
+l_k_ = input
+l_v_ = input
+attention_default = attn_cp.attention.default(l_q_, l_k_, l_v_, None, True, None, key_padding_mask=l_data_0_)
+getitem_4 = getitem(attention_default, 0)
+return (getitem_4)""")
+        self.assertEqual(sites[0].notes, ["mask -> causal + key_padding_mask=l_data_0_"])
+
+    def test_each_structure_is_recognised(self):
+        for name, (mask_fn, arguments) in CASES.items():
+            with self.subTest(name):
+                graph, _ = rewrite(attend(mask_fn), *_inputs())
+                self.assertIn(f"attn_cp.attention.default(l_q_, l_k_, l_v_, None, {arguments})", graph)
+
+    def test_each_structure_matches_eager(self):
+        for name, (mask_fn, _) in CASES.items():
+            with self.subTest(name):
+                assert_matches_eager(attend(mask_fn), *_inputs())
+
+    def test_sdpa_is_causal_and_a_window_mask_combine(self):
+        def fn(q, k, v, pad):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=hf_mask(pad, q_offset=3) & pad[:, None, None, :],
+                                                  is_causal=True, enable_gqa=True)
+
+        graph, _ = rewrite(fn, *_inputs())
+        self.assertIn("attn_cp.attention.default(l_q_, l_k_, l_v_, None, True, None, key_padding_mask=l_pad_)", graph)
+        assert_matches_eager(fn, *_inputs())
+
+    def test_new_sequence_length_reuses_the_graph(self):
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("attn_cp")
+        fn = attend(lambda q, pad: hf_mask(pad, window=6))
+        compiled = torch.compile(fn, backend=counter, dynamic=True)
+        for s in (20, 29, 37):
+            q, k, v, pad = _inputs(s)
+            assert rel_err(compiled(q, k, v, pad), fn(q, k, v, pad)) <= 1e-5
+        self.assertEqual(counter.frame_count, 1)
+        targets = [n.target for n in counter.graphs[0].graph.nodes]
+        self.assertIn(torch.ops.attn_cp.attention.default, targets)
+        self.assertNotIn(torch.arange, targets)
+
+
+LEFT = {
+    "a mask tensor from outside": (
+        lambda q, pad, m: m, "mask kept: the mask reads data, l_data_1_[i, j]: only key padding [b, j] is structured"),
+    "document ids": (
+        lambda q, pad, m: (lambda ids: ids[:, None, :, None] == ids[:, None, None, :])(pad.long().cumsum(-1)),
+        "mask kept: document mask 'cumsum[b, i] == cumsum[b, j]' needs varlen attention, which is not supported yet"),
+    "OR of conditions (attention sink)": (
+        lambda q, pad, m: (torch.arange(24)[:, None] >= torch.arange(24)) | (torch.arange(24) < 2),
+        "mask kept: '(j - i <= 0 | j - 1 <= 0)' is not a causal, sliding-window or key-padding condition"),
+    "chunked": (
+        lambda q, pad, m: torch.arange(24)[:, None] // 4 == torch.arange(24) // 4,
+        "mask kept: floordiv = floordiv(...) is not index arithmetic"),
+    "strictly before the query": (
+        lambda q, pad, m: torch.arange(24)[:, None] > torch.arange(24),
+        "mask kept: the mask hides the query's own position and 0 before it (j <= i - 1)"),
+    "per-head": (
+        lambda q, pad, m: torch.arange(8)[:, None, None] + torch.arange(24)[:, None] >= torch.arange(24),
+        "mask kept: 'j - i - h <= 0' depends on the batch or head index"),
+    "a slope other than 1": (
+        lambda q, pad, m: 2 * torch.arange(24) <= torch.arange(24)[:, None],
+        "mask kept: '2*j - i <= 0' is not a causal or sliding-window bound"),
+    "padding read at another key": (
+        lambda q, pad, m: pad[torch.arange(2)[:, None, None, None], 23 - torch.arange(24)[None, None, None, :]],
+        "mask kept: the mask reads data, l_data_0_[b, -j + 23]: only key padding [b, j] is structured"),
+    "clamped index": (
+        lambda q, pad, m: torch.arange(24).clamp(max=20) <= torch.arange(24)[:, None],
+        "mask kept: clamp = clamp(...) is not index arithmetic"),
+    "finite additive value": (
+        lambda q, pad, m: torch.where(hf_mask(pad), 0.0, -1e4),
+        "mask kept: additive mask where((j - i <= 0 & l_data_0_[b, j]), 0.0, -10000.0) is not where(cond, 0, -inf or "
+        "the dtype's minimum)"),
+}
+
+
+class TestLeftMasks(TestCase):
+    def test_each_mask_is_kept_with_its_reason(self):
+        for name, (mask_fn, note) in LEFT.items():
+            with self.subTest(name):
+                q, k, v, pad = _inputs()
+                m = torch.rand(24, 24) > 0.3
+                graph, sites = rewrite(attend(mask_fn), q, k, v, pad, m)
+                self.assertTrue(sites[0].rewritten)
+                self.assertEqual(sites[0].notes, [note])
+                self.assertNotIn("None, False, None", graph)  # the mask is still an argument
+                assert_matches_eager(attend(mask_fn), q, k, v, pad, m)
+
+
+class TestPaddingModifiedInPlace(TestCase):
+    def test_the_mask_is_kept(self):
+        def fn(q, k, v, pad):
+            mask = hf_mask(pad)
+            pad.logical_not_()
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+        q, k, v, pad = _inputs()
+        graph, sites = rewrite(fn, q, k, v, pad)
+        self.assertEqual(sites[0].notes, ["mask kept: key padding l_pad_ is modified in place"])
+        self.assertIn("attn_cp.attention.default(l_q_, l_k_, l_v_, mask_1, False, None)", graph)
+
+
+class TestDtypeMinimumMask(TestCase):
+    def test_only_rows_that_see_no_key_differ(self):
+        def mask_fn(q, pad):
+            return torch.where(hf_mask(pad, window=4), torch.zeros(()), torch.finfo(torch.float32).min)
+
+        q, k, v, pad = _inputs()
+        _, sites = rewrite(attend(mask_fn), q, k, v, pad)
+        self.assertEqual(sites[0].notes, ["mask -> causal + window_left=3 + key_padding_mask=l_data_0_; a query that "
+                                          "sees no key gets 0, not the mean of v that adding -3.403e+38 gives"])
+        got = torch.compile(attend(mask_fn), backend="attn_cp", options={"inner": "aot_eager"})(q, k, v, pad)
+        want = attend(mask_fn)(q, k, v, pad)
+        sees_a_key = hf_mask(pad, window=4).any(-1)[:, :, :, None].expand_as(got)
+        self.assertLessEqual(rel_err(got[sees_a_key], want[sees_a_key]), 1e-5)
+        self.assertTrue(got[~sees_a_key].eq(0).all())
+        mean_of_v = v.mean(2, keepdim=True).repeat_interleave(4, 1).expand_as(want)
+        torch.testing.assert_close(want[~sees_a_key], mean_of_v[~sees_a_key])
+
+
+class TestProof(TestCase):
+    def test_equality_is_a_band_of_width_zero(self):
+        self.assertEqual(classify(Eq(Affine.index(-1) - Affine.index(-2))), Structure(left=0, right=0))
+
+    def test_a_wrong_claim_fails_the_check(self):
+        window = Le(Affine.index(-2) - Affine.index(-1) - 5)  # j >= i - 5
+        self.assertEqual(classify(window), Structure(left=5))
+        prove(window, Structure(left=5), batch=1, s_q=3, s_k=3)  # the window never binds at 3 tokens...
+        with self.assertRaisesRegex(Unsupported, "^classification as window_left=4 failed its check at b=0, i=5, j=0$"):
+            prove(window, Structure(left=4), batch=1, s_q=3, s_k=3)  # ...the proof looks beyond it
+
+    def test_long_sequences_check_the_band_edges(self):
+        causal = Le(Affine.index(-1) - Affine.index(-2))
+        prove(causal, Structure(right=0), batch=2, s_q=4096, s_k=4096)
+        with self.assertRaisesRegex(Unsupported, "failed its check at b=0, i=0, j=1$"):
+            prove(causal, Structure(right=1), batch=2, s_q=4096, s_k=4096)

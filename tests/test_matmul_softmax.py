@@ -1,0 +1,219 @@
+"""Hand-written softmax attention becomes attn_cp.attention; look-alikes stay as written."""
+import math
+
+import torch
+import torch.nn.functional as F
+from expecttest import TestCase
+from torch import nn
+
+from attn_compile.passes import rewrite_attention
+from compiled import assert_matches_eager, rewrite
+
+
+def hf_eager(q, k, v, mask):
+    """transformers' eager_attention_forward (mask: additive, 0 / dtype minimum)."""
+    w = torch.matmul(q, k.transpose(2, 3)) * 0.25
+    w = w + mask
+    w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+    w = F.dropout(w, p=0.0, training=False)
+    return torch.matmul(w, v)
+
+
+class NanoGPTAttention(nn.Module):
+    """nanoGPT's CausalSelfAttention without flash: masked_fill from a tril buffer."""
+
+    def __init__(self, block_size=32):
+        super().__init__()
+        self.register_buffer("bias", torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size))
+        self.attn_dropout = nn.Dropout(0.1)
+
+    def forward(self, q, k, v):
+        t = q.size(-2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :t, :t] == 0, float("-inf"))
+        att = F.softmax(att, dim=-1)
+        att = self.attn_dropout(att)
+        return att @ v
+
+
+class TimmAttention(nn.Module):
+    """timm's vision_transformer.Attention with fused_attn off: q scaled before the matmul."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.scale = self.head_dim ** -0.5
+        self.qkv, self.proj = nn.Linear(dim, dim * 3), nn.Linear(dim, dim)
+        self.attn_drop = nn.Dropout(0.0)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        q = q * self.scale
+        attn = q @ k.transpose(-2, -1)
+        attn = attn.softmax(dim=-1)
+        attn = self.attn_drop(attn)
+        x = attn @ v
+        return self.proj(x.transpose(1, 2).reshape(b, n, c))
+
+
+def nanogpt_inline_tril(q, k, v):
+    att = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+    t = q.size(-2)
+    att = att.masked_fill(torch.tril(torch.ones(t, t)) == 0, float("-inf"))
+    return F.softmax(att, dim=-1) @ v
+
+
+def gpt2_legacy(q, k, v, causal):
+    w = torch.matmul(q, k.permute(0, 1, 3, 2)) / torch.full([], v.size(-1) ** 0.5)
+    w = torch.where(causal, w, torch.finfo(torch.float32).min)
+    return torch.matmul(w.float().softmax(-1).type_as(q), v)
+
+
+def mt_and_division(q, k, v):
+    return (q @ k.mT / math.sqrt(q.size(-1))).softmax(-1) @ v
+
+
+def _qkv(requires_grad=True):
+    torch.manual_seed(0)
+    return [torch.randn(2, 4, 24, 16, requires_grad=requires_grad) for _ in range(3)]
+
+
+def _padding_mask():
+    pad = torch.ones(2, 24, dtype=torch.bool)
+    pad[1, -6:] = False
+    return torch.where(pad[:, None, None, :], 0.0, torch.finfo(torch.float32).min)
+
+
+class TestRewritten(TestCase):
+    def test_hf_eager(self):
+        graph, sites = rewrite(hf_eager, *_qkv(), _padding_mask())
+        self.assertExpectedInline(graph, """\
+l_k_ = input
+l_q_ = input
+l_mask_ = input
+l_v_ = input
+attention_default = attn_cp.attention.default(l_q_, l_k_, l_v_, l_mask_, False, 0.25)
+getitem = getitem(attention_default, 0)
+return (getitem)""")
+        self.assertEqual(sites[0].notes[0], "hand-written softmax attention")
+        assert_matches_eager(hf_eager, *_qkv(), _padding_mask())
+
+    def test_nanogpt(self):
+        model = NanoGPTAttention().eval()
+        graph, sites = rewrite(model, *_qkv())
+        self.assertIn("logical_not = logical_not(eq)", graph)
+        self.assertIn("attn_cp.attention.default(l_q_, l_k_, l_v_, logical_not, False, 0.25)", graph)
+        self.assertEqual(sites[0].notes[1], "mask kept: the mask compares data, 'l_self_buffers_bias_[0, 0, i, j] "
+                                            "!= 0': only key padding [b, j] is structured")
+        assert_matches_eager(model, *_qkv())
+
+    def test_nanogpt_with_an_index_built_mask_becomes_causal(self):
+        graph, _ = rewrite(nanogpt_inline_tril, *_qkv())
+        self.assertExpectedInline(graph, """\
+l_k_ = input
+l_q_ = input
+l_v_ = input
+attention_default = attn_cp.attention.default(l_q_, l_k_, l_v_, None, True, 0.25)
+getitem = getitem(attention_default, 0)
+return (getitem)""")
+        assert_matches_eager(nanogpt_inline_tril, *_qkv())
+
+    def test_timm_vit(self):
+        torch.manual_seed(0)
+        model = TimmAttention().eval()
+        x = torch.randn(2, 17, 32, requires_grad=True)
+        graph, _ = rewrite(model, x)
+        self.assertIn("attn_cp.attention.default(q, k, v, None, False, 0.3535533905932738)", graph)
+        self.assertNotIn("softmax", graph)
+        assert_matches_eager(model, x)
+
+    def test_mt_and_division(self):
+        graph, _ = rewrite(mt_and_division, *_qkv())
+        self.assertIn("attn_cp.attention.default(l_q_, l_k_, l_v_, None, False, 0.25)", graph)
+        assert_matches_eager(mt_and_division, *_qkv())
+
+    def test_gpt2_legacy_division_where_and_float_upcast(self):
+        causal = torch.ones(24, 24, dtype=torch.bool).tril()
+        graph, _ = rewrite(gpt2_legacy, *_qkv(), causal)
+        self.assertIn("attn_cp.attention.default(l_q_, l_k_, l_v_, l_causal_, False, 0.25)", graph)
+        assert_matches_eager(gpt2_legacy, *_qkv(), causal)
+
+
+def softmax_over_queries(q, k, v):
+    return (q @ k.transpose(-2, -1) * 0.25).softmax(dim=-2) @ v
+
+
+def scale_after_softmax(q, k, v):
+    return (q @ k.transpose(-2, -1)).softmax(dim=-1) * 0.25 @ v
+
+
+def mask_before_scale(q, k, v, mask):
+    return ((q @ k.transpose(-2, -1) + mask) * 0.25).softmax(dim=-1) @ v
+
+
+def keys_already_transposed(q, kt, v):
+    return (q @ kt * 0.25).softmax(dim=-1) @ v
+
+
+def activation_after_softmax(q, k, v):
+    return F.relu((q @ k.transpose(-2, -1) * 0.25).softmax(dim=-1) - 0.01) @ v
+
+
+class TestLookAlikes(TestCase):
+    def test_are_not_rewritten(self):
+        q, k, v = _qkv()
+        for fn, args in ((softmax_over_queries, (q, k, v)), (scale_after_softmax, (q, k, v)),
+                         (mask_before_scale, (q, k, v, _padding_mask())),
+                         (keys_already_transposed, (q, k.transpose(-2, -1).detach().requires_grad_(), v)),
+                         (activation_after_softmax, (q, k, v))):
+            with self.subTest(fn.__name__):
+                graph, sites = rewrite(fn, *args)
+                self.assertEqual(sites, [])
+                self.assertIn("softmax", graph)
+                assert_matches_eager(fn, *args)
+
+
+def active_dropout(q, k, v):
+    return F.dropout((q @ k.transpose(-2, -1) * 0.25).softmax(-1), p=0.1, training=True) @ v
+
+
+def weights_returned(q, k, v):
+    w = (q @ k.transpose(-2, -1) * 0.25).softmax(-1)
+    return w @ v, w
+
+
+def finite_fill(q, k, v):
+    return (q @ k.transpose(-2, -1)).masked_fill(torch.ones(24, 24, dtype=torch.bool).triu(1), -1e4).softmax(-1) @ v
+
+
+class TestLeft(TestCase):
+    def test_reasons(self):
+        for fn, reason in ((active_dropout, "dropout p=0.1 while training: the fused op has no dropout"),
+                           (weights_returned, "w is also used by matmul_1, output"),
+                           (finite_fill, "masked_fill with -10000.0, not -inf or a dtype's minimum: not a mask")):
+            with self.subTest(fn.__name__):
+                graph, sites = rewrite(fn, *_qkv(requires_grad=False))
+                self.assertEqual([(s.rewritten, s.reason) for s in sites], [(False, reason)])
+                self.assertEqual(sites[0].shapes["q"], (2, 4, 24, 16))
+                self.assertIn("softmax", graph)
+                self.assertNotIn("attn_cp", graph)
+
+    def test_scale_from_a_dynamic_head_dim(self):
+        sites = []
+
+        def recording(gm, example_inputs):
+            sites.extend(rewrite_attention(gm))
+            return gm.forward
+
+        torch._dynamo.reset()
+        torch.compile(mt_and_division, backend=recording, dynamic=True)(*_qkv(requires_grad=False))
+        self.assertEqual([(s.rewritten, s.reason) for s in sites], [(False, "the scale is only known at run time")])
+
+    def test_dropout_then_matmul_without_softmax_is_no_site(self):
+        def fn(q, k, v):
+            return F.dropout(q @ k.transpose(-2, -1), p=0.1, training=True) @ v
+
+        graph, sites = rewrite(fn, *_qkv(requires_grad=False))
+        self.assertEqual(sites, [])
+        self.assertIn("dropout", graph)
