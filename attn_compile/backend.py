@@ -1,14 +1,25 @@
-"""The ``attn_cp`` torch.compile backend: rewrite attention, then hand the graph to an inner compiler.
+"""The ``attn_cp`` torch.compile backend: rewrite attention, distribute it where q, k, v are
+sharded, then hand the graph to an inner compiler.
 
 Registered through the ``torch_dynamo_backends`` entry point (pyproject.toml), so
 ``torch.compile(model, backend="attn_cp")`` works without importing this package first.
 """
 import torch
 
+from . import cost_model
+from .cp.layout import LAYOUTS
 from .passes import rewrite_attention
+from .passes.placements import distribute_attention
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
-DEFAULT_OPTIONS = {"inner": "inductor"}
+DEFAULT_OPTIONS = {
+    "inner": "inductor",
+    "mesh": None,  # a ProcessGroup or DeviceMesh: q, k, v of every attention are sequence shards on it
+    "seq_dim": 2,  # where the sequence is in SDPA's (B, H, S, D) operands
+    "layout": "zigzag",  # of those shards (see attn_compile.shard_sequence)
+    "strategy": "auto",  # context-parallel strategy, for DTensor or mesh shards alike
+    "hardware": cost_model.Hardware(),  # what the cost model assumes
+}
 
 
 def parse_options(options) -> dict:
@@ -17,8 +28,17 @@ def parse_options(options) -> dict:
     if unknown:
         raise ValueError(f"unknown attn_cp option(s) {unknown}; valid options: {sorted(DEFAULT_OPTIONS)}")
     merged = {**DEFAULT_OPTIONS, **options}
-    if merged["inner"] not in INNER_COMPILERS:
-        raise ValueError(f"options['inner'] must be one of {INNER_COMPILERS}; got {merged['inner']!r}")
+    rules = {
+        "inner": (merged["inner"] in INNER_COMPILERS, f"one of {INNER_COMPILERS}"),
+        "seq_dim": (merged["seq_dim"] == 2, "2, the sequence dim of SDPA's (batch, heads, seq, dim) operands"),
+        "layout": (merged["layout"] in LAYOUTS, f"one of {LAYOUTS}"),
+        "strategy": (merged["strategy"] in (*cost_model.STRATEGIES, "auto"),
+                     f"one of {(*cost_model.STRATEGIES, 'auto')}"),
+        "hardware": (isinstance(merged["hardware"], cost_model.Hardware), "an attn_compile.cost_model.Hardware"),
+    }
+    for name, (ok, expected) in rules.items():
+        if not ok:
+            raise ValueError(f"options[{name!r}] must be {expected}; got {merged[name]!r}")
     return merged
 
 
@@ -36,7 +56,9 @@ def _inner_compile(gm, example_inputs, inner: str, mode):
 
 
 def attn_cp(gm, example_inputs, *, mode=None, options=None):
-    """torch.compile backend. ``options={"inner": "inductor" | "aot_eager" | "eager"}``."""
+    """torch.compile backend; ``options`` keys and defaults are in ``DEFAULT_OPTIONS``."""
     opts = parse_options(options)
-    rewrite_attention(gm)
+    sites = rewrite_attention(gm)
+    distribute_attention(gm, sites, mesh=opts["mesh"], layout=opts["layout"], strategy=opts["strategy"],
+                         hardware=opts["hardware"])
     return _inner_compile(gm, example_inputs, opts["inner"], mode)

@@ -75,8 +75,8 @@ class Estimate:
     memory_bytes: float  # K/V (and gathered or exchanged copies) held per rank
 
     def __str__(self) -> str:
-        return (f"{self.strategy}: {self.time_s * 1e3:.3f} ms (compute {self.compute_s * 1e3:.3f} ms, "
-                f"transfer {self.transfer_s * 1e3:.3f} ms, memory {self.memory_bytes / 2**20:.1f} MiB)")
+        return (f"{self.strategy}: {self.time_s * 1e6:.4g} us (compute {self.compute_s * 1e6:.4g} us, "
+                f"transfer {self.transfer_s * 1e6:.4g} us, memory {self.memory_bytes / 2**20:.4g} MiB)")
 
 
 def _ring(p: Problem, hw: Hardware, ranks: int, compute: float) -> tuple[float, float, float]:

@@ -4,11 +4,13 @@ import dataclasses
 import torch
 
 from .passes import Site, rewrite_attention
+from .passes.placements import Distributed, distribute_attention
 
 
 @dataclasses.dataclass
 class Report:
     sites: list[Site]
+    distributed: list[Distributed] = dataclasses.field(default_factory=list)  # ops on DTensor q, k, v
 
     @property
     def rewritten(self) -> list[Site]:
@@ -21,18 +23,25 @@ class Report:
     def __str__(self) -> str:
         head = (f"attn_compile: {len(self.sites)} attention site(s), {len(self.rewritten)} rewritten, "
                 f"{len(self.left)} left as is")
-        return "\n".join([head] + [f"  [{i}] {site}" for i, site in enumerate(self.sites)])
+        lines = [head] + [f"  [{i}] {site}" for i, site in enumerate(self.sites)]
+        if self.distributed:
+            lines.append("distributed by placements (cost-model estimates, fwd + bwd):")
+            lines += [f"  {d}" for d in self.distributed]
+        return "\n".join(lines)
 
 
 def explain(model_or_fn, *args, **kwargs) -> Report:
     """Trace ``model_or_fn(*args, **kwargs)`` with dynamo, run the attn_cp passes, and report each
-    site: where it is, its shapes, and what it became (op and kernel) or why it was left. The call
-    runs once, eagerly on the rewritten graphs; the user's own compiled functions are untouched."""
-    sites: list[Site] = []
+    site: where it is, its shapes, and what it became (op and kernel) or why it was left; for
+    DTensor inputs also the placements, every strategy's estimate and the choice. The call runs
+    once, eagerly on the rewritten graphs; the user's own compiled functions are untouched."""
+    report = Report([])
 
     def recording_backend(gm, example_inputs):
-        sites.extend(rewrite_attention(gm))
+        sites = rewrite_attention(gm)
+        report.sites.extend(sites)
+        report.distributed.extend(distribute_attention(gm, sites))
         return gm.forward
 
     torch.compile(model_or_fn, backend=recording_backend)(*args, **kwargs)
-    return Report(sites)
+    return report

@@ -1,4 +1,6 @@
 """The attn_cp backend end to end on CPU: Inductor output and gradients equal eager, no SDPA remains."""
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -77,7 +79,8 @@ def test_inner_compilers(inner):
 
 
 def test_unknown_option_lists_valid_ones():
-    with pytest.raises(ValueError, match=r"^unknown attn_cp option\(s\) \['inerr'\]; valid options: \['inner'\]$"):
+    with pytest.raises(ValueError, match=r"^unknown attn_cp option\(s\) \['inerr'\]; valid options: \['hardware', "
+                                         r"'inner', 'layout', 'mesh', 'seq_dim', 'strategy'\]$"):
         backend.parse_options({"inerr": "eager"})
 
 
@@ -85,6 +88,17 @@ def test_bad_inner_compiler():
     with pytest.raises(ValueError, match=r"^options\['inner'\] must be one of \('inductor', 'aot_eager', 'eager'\); "
                                          r"got 'tvm'$"):
         backend.parse_options({"inner": "tvm"})
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    ("seq_dim", 1, "2, the sequence dim of SDPA's (batch, heads, seq, dim) operands"),
+    ("layout", "striped", "one of ('zigzag', 'contiguous')"),
+    ("strategy", "p2p", "one of ('ring', 'allgather', 'ulysses', 'hybrid', 'auto')"),
+    ("hardware", {"link_gbps": 100}, "an attn_compile.cost_model.Hardware"),
+])
+def test_bad_option_values(key, value, expected):
+    with pytest.raises(ValueError, match=f"^{re.escape(f'options[{key!r}] must be {expected}; got {value!r}')}$"):
+        backend.parse_options({key: value})
 
 
 def test_mode_needs_inductor():

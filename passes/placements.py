@@ -1,0 +1,181 @@
+"""Distribute the ``attn_cp.attention`` ops the other passes emitted, where q, k, v are sharded.
+
+Two sources of sharding:
+- DTensor q, k, v (their traced values): ``attn_compile.planner`` reads the placements, and the op
+  becomes ``to_local`` -> local or context-parallel attention -> ``DTensor.from_local`` with q's
+  placements (the output is ``(*q.shape[:-1], v.shape[-1])``, so q's placements describe it).
+- ``mesh`` given: q, k, v are plain sequence shards on it, and every op becomes context-parallel
+  attention. An attention site left as it was is then an error: run locally, it would see only
+  this rank's keys.
+Every plan depends only on global shapes, placements and options, so all ranks make the same one;
+the context-parallel ops check at their first call that the ranks agree.
+"""
+import dataclasses
+import functools
+import operator
+
+import torch
+from torch.distributed.tensor import Partial
+from torch.fx import GraphModule, Node
+from torch.fx.operator_schemas import normalize_function
+
+from .. import cost_model, ops
+from ..cp import api  # noqa: F401  (registers attn_cp::context_parallel_attention)
+from ..cp.comm import process_groups
+from ..planner import HEADS, SEQ, kv_head_slice, plan
+from .shapes import example_tensor, hinted_shape
+from .site import Site
+
+ATTENTION = ops.attention._opoverload
+CONTEXT_PARALLEL = torch.ops.attn_cp.context_parallel_attention.default
+
+
+@dataclasses.dataclass
+class Distributed:
+    """One op's plan, for explain: where it is, the placements read, the choice and the estimates."""
+
+    node: str
+    placements: str
+    plan: str
+    estimates: dict
+
+    def __str__(self) -> str:
+        lines = [f"{self.node}: {self.placements} -> {self.plan}"]
+        lines += [f"      {estimate if isinstance(estimate, cost_model.Estimate) else f'{strategy}: {estimate}'}"
+                  for strategy, estimate in self.estimates.items()]
+        return "\n".join(lines)
+
+
+def _is_dtensor(t) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+def _check_causal_or_full(node: Node, a: dict, inputs: str) -> None:
+    masking = [name for name in ("attn_mask", "key_padding_mask") if a[name] is not None]
+    masking += [f"{name}={a[name]}" for name, unset in (("window_left", -1), ("window_right", -1), ("q_offset", 0))
+                if a[name] != unset]
+    if masking:
+        raise ValueError(f"attention {node.name} with {inputs} uses {', '.join(masking)}; with sharded q, k, v only "
+                         f"causal or full attention is supported")
+
+
+def _output_of(node: Node) -> Node:
+    (out,) = [user for user in node.users if user.target is operator.getitem and user.args[1] == 0]
+    return out
+
+
+def _to_local_summing_grads(placements):
+    """to_local for a K or V that every rank reads only in part (k, v Replicate against a sharded q):
+    each rank's gradient is a partial sum over the mesh dims where q is sharded and k, v are not."""
+    convert = functools.partial(torch.distributed.tensor.DTensor.to_local, grad_placements=tuple(placements))
+    convert.__name__ = "to_local_summing_grads"
+    return convert
+
+
+def _from_local(mesh, placements):
+    convert = functools.partial(torch.distributed.tensor.DTensor.from_local, device_mesh=mesh,
+                                placements=tuple(placements), run_check=False)
+    convert.__name__ = "from_local"
+    return convert
+
+
+def _scale(a: dict, q) -> float:
+    return a["scale"] if a["scale"] is not None else hinted_shape(q)[-1] ** -0.5
+
+
+def _replace(graph, node: Node, make) -> None:
+    """Insert ``make()`` before node; its result replaces the op's output; the op goes."""
+    out = _output_of(node)
+    with graph.inserting_before(node):
+        result = make()
+    result.meta.update(out.meta)
+    out.replace_all_uses_with(result)
+    graph.erase_node(out)
+    graph.erase_node(node)
+
+
+def _context_parallel(graph, q, k, v, strategy, group_names, scale, is_causal, layout) -> Node:
+    fused = graph.call_function(CONTEXT_PARALLEL, (q, k, v, strategy, list(group_names), scale, is_causal, layout))
+    return graph.call_function(operator.getitem, (fused, 0))
+
+
+def _distribute_dtensor(graph, node, a, strategy, hardware) -> Distributed:
+    q, k, v = (example_tensor(a[name]) for name in ("q", "k", "v"))
+    _check_causal_or_full(node, a, "DTensor q, k, v")
+    p = plan(q, k, v, is_causal=a["is_causal"], strategy=strategy, hardware=hardware)
+    mesh = q.device_mesh
+
+    def make():
+        local = {"q": graph.call_method("to_local", (a["q"],))}
+        summed = (p.q_seq_dim, p.kv_head_dim)
+        if summed != (None, None):
+            grads = [Partial() if d in summed else pl for d, pl in enumerate(k.placements)]
+            local.update({name: graph.call_function(_to_local_summing_grads(grads), (a[name],)) for name in "kv"})
+        else:
+            local.update({name: graph.call_method("to_local", (a[name],)) for name in "kv"})
+        if p.kv_head_dim is not None:
+            ranks = mesh.size(p.kv_head_dim)
+            first, count = kv_head_slice(q.shape[HEADS], k.shape[HEADS], ranks, mesh.get_local_rank(p.kv_head_dim))
+            for name in ("k", "v"):
+                local[name] = graph.call_method("narrow", (local[name], HEADS, first, count))
+        scale = _scale(a, q)
+        if p.cp_dims:
+            names = [mesh.get_group(d).group_name for d in p.cp_dims]
+            out = _context_parallel(graph, local["q"], local["k"], local["v"], p.strategy, names, scale,
+                                    a["is_causal"], "contiguous")
+        else:
+            q_offset = 0
+            if p.q_seq_dim is not None:
+                q_offset = mesh.get_local_rank(p.q_seq_dim) * (hinted_shape(q)[SEQ] // mesh.size(p.q_seq_dim))
+            fused = graph.call_function(ATTENTION, (local["q"], local["k"], local["v"], None, a["is_causal"], scale),
+                                        {"q_offset": q_offset} if q_offset else {})
+            out = graph.call_function(operator.getitem, (fused, 0))
+        return graph.call_function(_from_local(mesh, q.placements), (out,))
+
+    _replace(graph, node, make)
+    placements = ", ".join(f"{name}={tuple(t.placements)}" for name, t in (("q", q), ("k", k), ("v", v)))
+    return Distributed(node.name, placements, p.describe(), p.table)
+
+
+def _distribute_shards(graph, node, a, groups, layout, strategy, hardware) -> Distributed:
+    _check_causal_or_full(node, a, "sequence shards on options['mesh']")
+    q, k, v = (example_tensor(a[name]) for name in ("q", "k", "v"))
+    (b, h_q, s_local, d_qk), h_kv, d_v = hinted_shape(q), hinted_shape(k)[HEADS], hinted_shape(v)[-1]
+    problem = cost_model.Problem(batch=b, s_local=s_local, h_q=h_q, h_kv=h_kv, d_qk=d_qk, d_v=d_v, dtype=q.dtype,
+                                 is_causal=a["is_causal"], mesh_shape=tuple(g.size() for g in groups))
+    best, table = cost_model.choose(problem, hardware)
+    if strategy != "auto":
+        if isinstance(table[strategy], str):
+            raise ValueError(f"strategy={strategy!r} cannot run here: {table[strategy]}")
+        best = strategy
+    names = [g.group_name for g in groups]
+    _replace(graph, node, lambda: _context_parallel(graph, a["q"], a["k"], a["v"], best, names, _scale(a, q),
+                                                    a["is_causal"], layout))
+    return Distributed(node.name, f"sequence shards ({layout}) on a mesh of {problem.mesh_shape}",
+                       f"context parallel: {best}", table)
+
+
+def distribute_attention(gm: GraphModule, sites: list[Site], *, mesh=None, layout="zigzag", strategy="auto",
+                         hardware=cost_model.Hardware()) -> list[Distributed]:
+    """Rewrite in place every attention op of ``gm`` whose inputs are sharded; ``sites`` are the
+    attention passes' reports, checked for sites left as they were when ``mesh`` is given."""
+    if mesh is not None:
+        left = [site for site in sites if not site.rewritten]
+        if left:
+            raise ValueError(f"options['mesh'] makes q, k, v sequence shards, but attention at {left[0]} could not be "
+                             f"rewritten, and run locally it would see only this rank's keys")
+    groups = process_groups(mesh) if mesh is not None else None
+    done = []
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not ATTENTION:
+            continue
+        a = normalize_function(ATTENTION, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
+        if _is_dtensor(example_tensor(a["q"])):
+            done.append(_distribute_dtensor(gm.graph, node, a, strategy, hardware))
+        elif groups is not None:
+            done.append(_distribute_shards(gm.graph, node, a, groups, layout, strategy, hardware))
+    gm.recompile()
+    return done
+
+
+__all__ = ["distribute_attention", "Distributed"]

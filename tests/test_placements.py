@@ -1,0 +1,166 @@
+"""DTensor placements and options["mesh"] choose the distributed attention at compile time:
+each placement combination compiled with backend="attn_cp", forward and backward against the
+unsharded float64 oracle, on real gloo processes; the rewritten graph; compile-time errors.
+
+DTensor cases are non-causal and on 1-D meshes: on the CPU, torch 2.13's dynamo cannot trace
+DTensor SDPA when it is causal (the math fallback mixes a plain mask tensor into DTensor ops) or
+on a 2-D mesh (unbacked symbols in the fake trace), so it fails before any backend runs. Causal
+attention and the 2-D (hybrid) mesh are covered through options["mesh"] on plain shards."""
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from expecttest import TestCase
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+import attn_compile
+import attn_compile.backend as backend
+from attn_compile.cp.layout import shard_sequence, unshard_sequence
+from dist_harness import run_distributed
+from graphs import normalized
+from oracle import naive_attention, rel_err
+
+TOL = 1e-5
+SEQ = 16
+
+
+def sdpa(q, k, v, is_causal):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True)
+
+
+def _inputs(seed, h_q=8, h_kv=2, d_qk=24, d_v=16):
+    torch.manual_seed(seed)  # the same global inputs on every rank
+    q, k, v = (torch.randn(2, h, SEQ, d) for h, d in ((h_q, d_qk), (h_kv, d_qk), (h_kv, d_v)))
+    return q, k, v, torch.randn(2, h_q, SEQ, d_v)
+
+
+def _check_case(mesh, q_pl, kv_pl, is_causal, seed, heads=(8, 2), strategy="auto"):
+    q, k, v, dout = _inputs(seed, *heads)
+    dq, dk, dv = (distribute_tensor(x, mesh, pl).requires_grad_() for x, pl in ((q, q_pl), (k, kv_pl), (v, kv_pl)))
+    torch._dynamo.reset()
+    fn = torch.compile(sdpa, backend="attn_cp", fullgraph=True, options={"strategy": strategy})
+    out = fn(dq, dk, dv, is_causal)
+    assert tuple(out.placements) == tuple(q_pl) and out.shape == (*q.shape[:-1], v.shape[-1])
+    grads = torch.autograd.grad(out, (dq, dk, dv), distribute_tensor(dout, mesh, q_pl))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    want = naive_attention(q, k, v, is_causal=is_causal)
+    want_grads = torch.autograd.grad(want, (q, k, v), dout.double())
+    errors = [rel_err(out.full_tensor(), want)] + [rel_err(g.full_tensor(), w) for g, w in zip(grads, want_grads)]
+    assert max(errors) <= TOL, (q_pl, kv_pl, is_causal, strategy, errors)
+
+
+def _placement_cases(rank, world):
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    cases = [([Shard(2)], [Shard(2)], "auto"), ([Shard(2)], [Shard(2)], "ring"),
+             ([Shard(2)], [Shard(2)], "allgather"), ([Shard(2)], [Shard(2)], "ulysses"),
+             ([Shard(0)] if world == 2 else [Replicate()], [Shard(0)] if world == 2 else [Replicate()], "auto"),
+             ([Shard(1)], [Shard(1)] if world == 2 else [Replicate()], "auto"),  # world 4: h_kv=2 < 4, GQA TP
+             ([Shard(2)], [Replicate()], "auto")]
+    for seed, (q_pl, kv_pl, strategy) in enumerate(cases):
+        _check_case(mesh, q_pl, kv_pl, False, seed, strategy=strategy)
+    if world == 4:
+        _check_case(mesh, [Shard(1)], [Replicate()], False, 9, heads=(4, 1))  # 1 query head a rank, one KV head
+
+
+def test_placements_world_2():
+    run_distributed(_placement_cases, 2)
+
+
+def test_placements_world_4():
+    run_distributed(_placement_cases, 4)
+
+
+def _plain_shards(rank, world):
+    cases = [("auto", "zigzag"), ("ring", "contiguous"), ("allgather", "zigzag"), ("ulysses", "contiguous")]
+    group = dist.group.WORLD
+    if world == 4:
+        group, cases = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses")), [("auto", "zigzag")]
+    for seed, (strategy, layout) in enumerate(cases):
+        q, k, v, dout = _inputs(seed)
+        local = [shard_sequence(x, group, layout=layout).requires_grad_() for x in (q, k, v)]
+        torch._dynamo.reset()
+        fn = torch.compile(sdpa, backend="attn_cp", fullgraph=True,
+                           options={"mesh": group, "layout": layout, "strategy": strategy})
+        out = fn(*local, True)
+        grads = torch.autograd.grad(out, local, shard_sequence(dout, group, layout=layout))
+        q, k, v = (x.requires_grad_() for x in (q, k, v))
+        want = naive_attention(q, k, v, is_causal=True)
+        want_grads = torch.autograd.grad(want, (q, k, v), dout.double())
+        got = [unshard_sequence(x.detach(), group, layout=layout) for x in (out, *grads)]
+        errors = [rel_err(g, w) for g, w in zip(got, (want, *want_grads))]
+        assert max(errors) <= TOL, (strategy, layout, errors)
+
+
+def test_plain_sequence_shards_with_a_mesh_option():
+    run_distributed(_plain_shards, 2)
+
+
+def test_plain_sequence_shards_on_a_2d_mesh_run_hybrid():
+    run_distributed(_plain_shards, 4)
+
+
+def _graph_and_errors(rank, world, out_dir):
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    q, k, v, _ = _inputs(0)
+    graphs = []
+    inner = backend._inner_compile
+
+    def recording(gm, example_inputs, *args):
+        graphs.append(normalized(gm))
+        return inner(gm, example_inputs, *args)
+
+    backend._inner_compile = recording
+    sharded = [distribute_tensor(x, mesh, [Shard(2)]) for x in (q, k, v)]
+    torch.compile(sdpa, backend="attn_cp", fullgraph=True, options={"strategy": "ring"})(*sharded, False)
+    backend._inner_compile = inner
+    messages = []
+    for placements in ([Shard(2)], [Shard(2)], [Replicate()]), ([Replicate()], [Shard(2)], [Shard(2)]):
+        torch._dynamo.reset()
+        try:
+            torch.compile(sdpa, backend="attn_cp", fullgraph=True)(
+                *(distribute_tensor(x, mesh, pl) for x, pl in zip((q, k, v), placements)), False)
+        except Exception as error:  # dynamo wraps the backend's ValueError
+            messages.append(str(error).split("\n")[1] if "\n" in str(error) else str(error))
+    report = str(attn_compile.explain(sdpa, *(distribute_tensor(x, mesh, [Shard(2)]) for x in (q, k, v)), False))
+    if rank == 0:
+        with open(os.path.join(out_dir, "explain.txt"), "w") as f:
+            f.write(report)
+        with open(os.path.join(out_dir, "graph.txt"), "w") as f:
+            f.write(graphs[0])
+        with open(os.path.join(out_dir, "errors.txt"), "w") as f:
+            f.write("\n".join(messages))
+
+
+class TestRewrittenGraph(TestCase):
+    def test_to_local_op_from_local_with_the_strategy_as_argument(self):
+        with tempfile.TemporaryDirectory() as out_dir:
+            run_distributed(_graph_and_errors, 2, out_dir)
+            graph = open(os.path.join(out_dir, "graph.txt")).read()
+            errors = open(os.path.join(out_dir, "errors.txt")).read()
+            report = open(os.path.join(out_dir, "explain.txt")).read()
+        self.assertExpectedInline(graph, """\
+l_q_ = input
+l_k_ = input
+l_v_ = input
+to_local = to_local(l_q_)
+to_local_1 = to_local(l_k_)
+to_local_2 = to_local(l_v_)
+context_parallel_attention_default = attn_cp.context_parallel_attention.default(to_local, to_local_1, to_local_2, 'ring', ('0'), 0.2041241452319315, False, 'contiguous')
+getitem_1 = getitem(context_parallel_attention_default, 0)
+from_local = from_local(getitem_1)
+return (from_local)""")
+        self.assertExpectedInline(errors, """\
+ValueError: q, k, v must be sharded the same way on batch and sequence dims; got q=(Shard(dim=2),), k=(Shard(dim=2),), v=(Replicate(),) on mesh 'cp' (size 2). Redistribute v to (Shard(dim=2),) on mesh dim 0, or k to (Replicate(),).
+ValueError: q, k, v must be sharded the same way on batch and sequence dims; got q=(Replicate(),), k=(Shard(dim=2),), v=(Shard(dim=2),) on mesh 'cp' (size 2). Redistribute q to (Shard(dim=2),) on mesh dim 0, or k and v to (Replicate(),).""")
+        self.assertExpectedInline(report, """\
+attn_compile: 1 attention site(s), 1 rewritten, 0 left as is
+  [0] test_placements.py:31: q(2, 8, 16, 24) k(2, 2, 16, 24) v(2, 2, 16, 16) -> attn_cp.attention [reference]
+distributed by placements (cost-model estimates, fwd + bwd):
+  attention_default: q=(Shard(dim=2),), k=(Shard(dim=2),), v=(Shard(dim=2),) -> context parallel over mesh dim(s) [0]: allgather
+      ring: 210.1 us (compute 0.001043 us, transfer 0.0502 us, memory 0.01465 MiB)
+      allgather: 0.0601 us (compute 0.001043 us, transfer 0.05905 us, memory 0.01953 MiB)
+      ulysses: 0.1345 us (compute 0.001043 us, transfer 0.1335 us, memory 0.009766 MiB)
+      hybrid: hybrid needs a 2-D mesh""")
