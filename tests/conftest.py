@@ -21,3 +21,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def inner_graphs(monkeypatch):
+    """The graphs the attn_cp backend hands to its inner compiler, i.e. after the rewrite."""
+    import attn_compile.backend as backend
+
+    graphs = []
+    inner = backend._inner_compile
+
+    def recording(gm, example_inputs, *args):
+        graphs.append(gm)
+        return inner(gm, example_inputs, *args)
+
+    monkeypatch.setattr(backend, "_inner_compile", recording)
+    torch._dynamo.reset()
+    return graphs

@@ -12,21 +12,6 @@ from oracle import rel_err
 from shapes import HEADS, make_qkv
 
 
-@pytest.fixture
-def inner_graphs(monkeypatch):
-    """The graphs handed to the inner compiler, i.e. after the rewrite."""
-    graphs = []
-    inner = backend._inner_compile
-
-    def recording(gm, example_inputs, *args):
-        graphs.append(gm)
-        return inner(gm, example_inputs, *args)
-
-    monkeypatch.setattr(backend, "_inner_compile", recording)
-    torch._dynamo.reset()
-    return graphs
-
-
 def _targets(graphs):
     return [n.target for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
 

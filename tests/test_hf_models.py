@@ -8,7 +8,7 @@ from typing import Callable
 import pytest
 import torch
 
-import attn_compile.backend as backend
+import attn_compile  # noqa: F401  (registers torch.ops.attn_cp)
 from oracle import rel_err
 
 transformers = pytest.importorskip("transformers")
@@ -80,20 +80,6 @@ CASES = {
     "bert": Case(_bert, {"key_padding_mask": True}, is_causal=False),
     "vit": Case(_vit, {}, is_causal=False, inputs="image"),
 }
-
-
-@pytest.fixture
-def inner_graphs(monkeypatch):
-    graphs = []
-    inner = backend._inner_compile
-
-    def recording(gm, example_inputs, *args):
-        graphs.append(gm)
-        return inner(gm, example_inputs, *args)
-
-    monkeypatch.setattr(backend, "_inner_compile", recording)
-    torch._dynamo.reset()
-    return graphs
 
 
 def _batches(case: Case):
