@@ -4,11 +4,14 @@ sharded, then hand the graph to an inner compiler.
 Registered through the ``torch_dynamo_backends`` entry point (pyproject.toml), so
 ``torch.compile(model, backend="attn_cp")`` works without importing this package first.
 """
+import copy
+import warnings
+
 import torch
 
 from . import cost_model
 from .cp.layout import LAYOUTS
-from .passes import rewrite_attention
+from .passes import PassFailure, rewrite_attention
 from .passes.placements import distribute_attention
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
@@ -19,6 +22,7 @@ DEFAULT_OPTIONS = {
     "layout": "zigzag",  # of those shards (see attn_compile.shard_sequence)
     "strategy": "auto",  # context-parallel strategy, for DTensor or mesh shards alike
     "hardware": cost_model.Hardware(),  # what the cost model assumes
+    "strict": False,  # re-raise an unexpected error in the passes instead of compiling the graph unchanged
 }
 
 
@@ -35,6 +39,7 @@ def parse_options(options) -> dict:
         "strategy": (merged["strategy"] in (*cost_model.STRATEGIES, "auto"),
                      f"one of {(*cost_model.STRATEGIES, 'auto')}"),
         "hardware": (isinstance(merged["hardware"], cost_model.Hardware), "an attn_compile.cost_model.Hardware"),
+        "strict": (isinstance(merged["strict"], bool), "True or False"),
     }
     for name, (ok, expected) in rules.items():
         if not ok:
@@ -58,7 +63,16 @@ def _inner_compile(gm, example_inputs, inner: str, mode):
 def attn_cp(gm, example_inputs, *, mode=None, options=None):
     """torch.compile backend; ``options`` keys and defaults are in ``DEFAULT_OPTIONS``."""
     opts = parse_options(options)
-    sites = rewrite_attention(gm)
-    distribute_attention(gm, sites, mesh=opts["mesh"], layout=opts["layout"], strategy=opts["strategy"],
+    candidate = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    candidate.meta = gm.meta  # dynamo's bookkeeping, which Inductor reads
+    try:
+        sites = rewrite_attention(candidate)
+    except PassFailure as failure:
+        if opts["strict"] or opts["mesh"] is not None:  # with a mesh, the unchanged graph would be wrong
+            raise
+        warnings.warn(f"attn_compile: the attention passes failed {failure}; this graph is compiled unchanged "
+                      f"(options={{'strict': True}} re-raises)", stacklevel=2)
+        return _inner_compile(gm, example_inputs, opts["inner"], mode)
+    distribute_attention(candidate, sites, mesh=opts["mesh"], layout=opts["layout"], strategy=opts["strategy"],
                          hardware=opts["hardware"])
-    return _inner_compile(gm, example_inputs, opts["inner"], mode)
+    return _inner_compile(candidate, example_inputs, opts["inner"], mode)

@@ -69,18 +69,28 @@ def _find(node):
     return None
 
 
+class PassFailure(RuntimeError):
+    """An unexpected error inside the passes, with the node it happened at."""
+
+
 def rewrite_attention(gm: GraphModule) -> list[Site]:
-    """Rewrite every attention site of ``gm`` in place; one Site per site found, logged."""
+    """Rewrite every attention site of ``gm`` in place; one Site per site found, logged. An
+    unexpected error raises PassFailure naming the node, and may leave ``gm`` half rewritten:
+    callers that want to go on run this on a copy."""
     sites = []
     for node in list(gm.graph.nodes):
-        found = _find(node)
-        if found is None:
-            continue
-        site = _left(gm.graph, found) if isinstance(found, Left) else _rewrite(gm.graph, found)
+        try:
+            found = _find(node)
+            if found is None:
+                continue
+            site = _left(gm.graph, found) if isinstance(found, Left) else _rewrite(gm.graph, found)
+        except Exception as error:
+            raise PassFailure(f"at {location_of(node) or node.name} ({node.name}): {type(error).__name__}: "
+                              f"{error}") from error
         log.info("%s %s", "rewrote" if site.rewritten else "left", site)
         sites.append(site)
     gm.recompile()
     return sites
 
 
-__all__ = ["rewrite_attention", "Site"]
+__all__ = ["rewrite_attention", "PassFailure", "Site"]

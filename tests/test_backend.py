@@ -65,7 +65,7 @@ def test_inner_compilers(inner):
 
 def test_unknown_option_lists_valid_ones():
     with pytest.raises(ValueError, match=r"^unknown attn_cp option\(s\) \['inerr'\]; valid options: \['hardware', "
-                                         r"'inner', 'layout', 'mesh', 'seq_dim', 'strategy'\]$"):
+                                         r"'inner', 'layout', 'mesh', 'seq_dim', 'strategy', 'strict'\]$"):
         backend.parse_options({"inerr": "eager"})
 
 
@@ -84,6 +84,39 @@ def test_bad_inner_compiler():
 def test_bad_option_values(key, value, expected):
     with pytest.raises(ValueError, match=f"^{re.escape(f'options[{key!r}] must be {expected}; got {value!r}')}$"):
         backend.parse_options({key: value})
+
+
+def _break_repeat_kv_removal(monkeypatch):
+    import attn_compile.passes as passes
+
+    def broken(call):
+        raise RuntimeError("planted failure")
+
+    refinements = tuple(broken if r is passes.strip_repeat_kv else r for r in passes.REFINEMENTS)
+    monkeypatch.setattr(passes, "REFINEMENTS", refinements)
+
+
+def test_a_failing_pass_leaves_the_graph_unchanged_with_a_warning(monkeypatch, inner_graphs):
+    _break_repeat_kv_removal(monkeypatch)
+    q, k, v = make_qkv("gqa", s_q=16, requires_grad=False)
+    fn = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+                       backend="attn_cp", options={"inner": "eager"})
+    with pytest.warns(UserWarning, match=r"^attn_compile: the attention passes failed at test_backend\.py:\d+ "
+                                         r"\(scaled_dot_product_attention\): RuntimeError: planted failure; this "
+                                         r"graph is compiled unchanged \(options=\{'strict': True\} re-raises\)$"):
+        got = fn(q, k, v)
+    assert rel_err(got, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)) <= 1e-6
+    assert SDPA in _targets(inner_graphs) and torch.ops.attn_cp.attention.default not in _targets(inner_graphs)
+
+
+def test_strict_re_raises_a_failing_pass(monkeypatch):
+    _break_repeat_kv_removal(monkeypatch)
+    torch._dynamo.reset()
+    q, k, v = make_qkv("gqa", s_q=16, requires_grad=False)
+    fn = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+                       backend="attn_cp", options={"inner": "eager", "strict": True})
+    with pytest.raises(Exception, match="planted failure"):
+        fn(q, k, v)
 
 
 def test_mode_needs_inductor():
