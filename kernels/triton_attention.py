@@ -5,8 +5,9 @@ of triton_forward.py, triton_backward.py and triton_merge.py.
 - ``attention_forward`` / ``attention_backward``: (B, H, S, D) tensors and the signature of
   reference.py. GQA is native, d_qk and d_v are independent (each up to 256), and causal and
   window masks are decided on global positions (``q_offset + i``, ``k_offset + j``), so a ring
-  step or a zigzag chunk is one call. The backward takes the final, possibly merged, out and
-  LSE and returns this call's share of the gradients.
+  step or a zigzag chunk is one call. A (B, S_k) bool ``key_padding_mask`` (True = a real key)
+  is ANDed with them; a tensor ``attn_mask`` is not taken. The backward takes the final,
+  possibly merged, out and LSE and returns this call's share of the gradients.
 - ``varlen_forward`` / ``varlen_backward``: packed (total, H, D) documents with int32
   cumulative lengths starting at 0. Each document starts at position 0 in q and in k (causal
   is top-left aligned, as in SDPA). The LSE is (total_q, H), lined up with out.
@@ -30,9 +31,9 @@ MAX_HEAD_DIM = 256
 
 
 def supports(p: Problem) -> bool:
-    """CUDA on Ampere or newer (bf16 dots), no tensor or key padding mask, head dims up to 256."""
+    """CUDA on Ampere or newer (bf16 dots), no tensor mask, head dims up to 256."""
     return (
-        p.device_type == "cuda" and not p.has_mask and not p.has_key_padding and p.dtype in DTYPES
+        p.device_type == "cuda" and not p.has_mask and p.dtype in DTYPES
         and p.d_qk <= MAX_HEAD_DIM and p.d_v <= MAX_HEAD_DIM
         and torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
     )
@@ -91,12 +92,24 @@ def _reaches(is_causal, window, q_offset, k_offset, longest):
     return left + shift, right - shift
 
 
-def _check_scale_and_masks(scale, attn_mask=None, key_padding_mask=None):
+def _check_scale_and_mask(scale, attn_mask=None):
     if not scale > 0:
         raise ValueError(f"scale: {scale}; the kernels take the row maximum before scaling, so it must be positive")
-    for name, mask in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
-        if mask is not None:
-            raise ValueError(f"{name}: the Triton kernels take causal and window masks only (see supports)")
+    if attn_mask is not None:
+        raise ValueError("attn_mask: the Triton kernels take causal, window and key padding masks only (see supports)")
+
+
+def _key_padding(key_padding_mask, k):
+    """The (B, S_k) bool mask as the kernels read it: uint8 with a unit last stride, a view where it can be."""
+    if key_padding_mask is None:
+        return None
+    want = (k.shape[0], k.shape[2])
+    if key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != want:
+        raise ValueError(f"key_padding_mask: expected bool {want}, got {key_padding_mask.dtype} "
+                         f"{tuple(key_padding_mask.shape)}")
+    if key_padding_mask.device != k.device:
+        raise ValueError(f"key_padding_mask: on {key_padding_mask.device}, k on {k.device}")
+    return _unit_last(key_padding_mask)[0].view(torch.uint8)
 
 
 def _new_rows(like, d):
@@ -110,24 +123,27 @@ def _new_rows(like, d):
 def attention_forward(q, k, v, *, scale, is_causal=False, window=(-1, -1), attn_mask=None, key_padding_mask=None,
                       q_offset=0, k_offset=0):
     """Returns (out (B, h_q, S_q, d_v) in q's dtype, lse (B, h_q, S_q) float32)."""
-    _check_scale_and_masks(scale, attn_mask, key_padding_mask)
+    _check_scale_and_mask(scale, attn_mask)
     q, k, v = _check_inputs(q, k, v)
+    key_padding = _key_padding(key_padding_mask, k)
     before, after = _reaches(is_causal, window, q_offset, k_offset, max(q.shape[2], k.shape[2]))
     out = _new_rows(q, v.shape[-1])
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    forward(q, k, v, out, lse, None, None, q.shape[2], k.shape[2], scale, before, after)
+    forward(q, k, v, out, lse, None, None, q.shape[2], k.shape[2], scale, before, after, key_padding)
     return out, lse
 
 
 def attention_backward(dout, q, k, v, out, lse, *, scale, is_causal=False, window=(-1, -1), attn_mask=None,
                        key_padding_mask=None, q_offset=0, k_offset=0):
     """(dq, dk, dv) given the final out and lse, which may merge this call with others."""
-    _check_scale_and_masks(scale, attn_mask, key_padding_mask)
+    _check_scale_and_mask(scale, attn_mask)
     q, k, v = _check_inputs(q, k, v)
+    key_padding = _key_padding(key_padding_mask, k)
     dout, out = _check_result(dout, out, lse, q, v)
     before, after = _reaches(is_causal, window, q_offset, k_offset, max(q.shape[2], k.shape[2]))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    backward(dout, q, k, v, out, lse, dq, dk, dv, None, None, q.shape[2], k.shape[2], scale, before, after)
+    backward(dout, q, k, v, out, lse, dq, dk, dv, None, None, q.shape[2], k.shape[2], scale, before, after,
+             key_padding)
     return dq, dk, dv
 
 
@@ -150,7 +166,7 @@ def _documents(x, n):
 def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale, is_causal=False,
                    window=(-1, -1)):
     """Returns (out (total_q, h_q, d_v) in q's dtype, lse (total_q, h_q) float32)."""
-    _check_scale_and_masks(scale)
+    _check_scale_and_mask(scale)
     q, k, v = _check_inputs(q, k, v, packed=True)
     n = _check_documents(cu_seqlens_q, cu_seqlens_k)
     before, after = _reaches(is_causal, window, 0, 0, max(max_seqlen_q, max_seqlen_k))
@@ -164,7 +180,7 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale,
                     is_causal=False, window=(-1, -1)):
     """(dq, dk, dv) of ``varlen_forward``, given its (possibly merged) out and lse."""
-    _check_scale_and_masks(scale)
+    _check_scale_and_mask(scale)
     q, k, v = _check_inputs(q, k, v, packed=True)
     dout, out = _check_result(dout, out, lse, q, v)
     n = _check_documents(cu_seqlens_q, cu_seqlens_k)

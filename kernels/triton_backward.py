@@ -8,14 +8,15 @@ given LSE (which may merge several calls, so each call gets exactly its share):
   When a few KV heads would leave the GPU idle, the group is split over several programs
   whose float32 partial sums are added afterwards.
 
-Layouts are those of triton_forward.py. Masked pairs and rows with LSE -inf get P = 0.
+Layouts and the key padding mask are those of triton_forward.py. Masked pairs and rows with
+LSE -inf get P = 0.
 """
 import torch
 import triton
 import triton.language as tl
 
-from .triton_tiles import (LOG2E, autotune, head_blocks, head_start, load_tile, sequence, store_tile, tile_ranges,
-                           visible)
+from .triton_tiles import (LOG2E, autotune, drop_padding, head_blocks, head_start, load_tile, sequence, store_tile,
+                           tile_ranges, visible)
 
 
 @triton.jit
@@ -26,9 +27,10 @@ def _log2_lse(lse_ptrs, ok):
 
 
 @triton.jit
-def _dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, rows, cols, tile_lo, tile_hi, seqlen_k, before, after,
-              qk_scale, stride_ks, stride_vs, d_qk, d_v, D_QK: tl.constexpr, D_V: tl.constexpr,
-              BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+def _dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, key_padding, rows, cols, tile_lo, tile_hi, seqlen_k, before,
+              after, qk_scale, stride_ks, stride_vs, d_qk, d_v, D_QK: tl.constexpr, D_V: tl.constexpr,
+              BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+              HAS_KEY_PADDING: tl.constexpr):
     for tile in range(tile_lo, tile_hi):
         start = tile * BLOCK_N
         keys = start + cols
@@ -37,6 +39,8 @@ def _dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, rows, cols, tile_lo, tile_h
         s = tl.dot(q, tl.trans(k))
         if MASKED:
             s = tl.where(visible(rows, keys, seqlen_k, before, after), s, float("-inf"))
+        if HAS_KEY_PADDING:
+            s = drop_padding(s, key_padding, keys, seqlen_k, False)
         p = tl.math.exp2(s * qk_scale - lse[:, None])
         ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq)
@@ -49,14 +53,14 @@ def _dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, rows, cols, tile_lo, tile_h
     key=["BLOCK_DQK", "BLOCK_DV"],
 )
 @triton.jit
-def _dq_kernel(Q, K, V, DO, O, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k,
+def _dq_kernel(Q, K, V, DO, O, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k, KeyPadding, stride_kpb,
                stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
                stride_vb, stride_vh, stride_vs, stride_dob, stride_doh, stride_dos,
                stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_ls,
                stride_db, stride_dh, stride_ds, stride_dqb, stride_dqh, stride_dqs,
                seqlen_q, seqlen_k, group, before, after, qk_scale, scale,
                D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-               VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+               VARLEN: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     batch, head = tl.program_id(2), tl.program_id(1)
     q_start, seqlen_q = sequence(cu_seqlens_q, batch, seqlen_q, VARLEN)
     k_start, seqlen_k = sequence(cu_seqlens_k, batch, seqlen_k, VARLEN)
@@ -88,14 +92,20 @@ def _dq_kernel(Q, K, V, DO, O, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k,
     k_ptrs += cols[:, None] * stride_ks + d_qk[None, :]
     v_ptrs = head_start(V, batch, head // group, k_start, stride_vb, stride_vh, stride_vs)
     v_ptrs += cols[:, None] * stride_vs + d_v[None, :]
+    key_padding = KeyPadding
+    if HAS_KEY_PADDING:
+        key_padding += batch * stride_kpb
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
     lo, full_lo, full_hi, hi = tile_ranges(first, last, seqlen_k, before, after, BLOCK_N)
-    dq = _dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, rows, cols, lo, full_lo, seqlen_k, before, after,
-                   qk_scale, stride_ks, stride_vs, d_qk, d_v, D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, True)
-    dq = _dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, rows, cols, full_lo, full_hi, seqlen_k, before, after,
-                   qk_scale, stride_ks, stride_vs, d_qk, d_v, D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, False)
-    dq = _dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, rows, cols, full_hi, hi, seqlen_k, before, after,
-                   qk_scale, stride_ks, stride_vs, d_qk, d_v, D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, True)
+    dq = _dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, key_padding, rows, cols, lo, full_lo, seqlen_k, before,
+                   after, qk_scale, stride_ks, stride_vs, d_qk, d_v, D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, True,
+                   HAS_KEY_PADDING)
+    dq = _dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, key_padding, rows, cols, full_lo, full_hi, seqlen_k, before,
+                   after, qk_scale, stride_ks, stride_vs, d_qk, d_v, D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, False,
+                   HAS_KEY_PADDING)
+    dq = _dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, key_padding, rows, cols, full_hi, hi, seqlen_k, before,
+                   after, qk_scale, stride_ks, stride_vs, d_qk, d_v, D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, True,
+                   HAS_KEY_PADDING)
 
     dq_ptrs = head_start(DQ, batch, head, row, stride_dqb, stride_dqh, stride_dqs)
     dq_ptrs += offs_m[:, None] * stride_dqs + d_qk[None, :]
@@ -103,10 +113,10 @@ def _dq_kernel(Q, K, V, DO, O, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k,
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, keys, rows, tile_lo, tile_hi, seqlen_q,
-                before, after, qk_scale, stride_qs, stride_dos, stride_ls, stride_ds, d_qk, d_v,
+def _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, key_padding, keys, rows, tile_lo, tile_hi,
+                seqlen_q, seqlen_k, before, after, qk_scale, stride_qs, stride_dos, stride_ls, stride_ds, d_qk, d_v,
                 D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-                BLOCK_M: tl.constexpr, MASKED: tl.constexpr):
+                BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_KEY_PADDING: tl.constexpr):
     """Accumulates into dK, dV over query tiles [tile_lo, tile_hi); scores are kept transposed
     (keys x queries), so ``before`` and ``after`` arrive swapped."""
     for tile in range(tile_lo, tile_hi):
@@ -121,6 +131,8 @@ def _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, keys, rows,
         s = tl.dot(k, tl.trans(q))
         if MASKED:
             s = tl.where(visible(keys, queries, seqlen_q, before, after), s, float("-inf"))
+        if HAS_KEY_PADDING:
+            s = drop_padding(s, key_padding, keys, seqlen_k, True)
         p = tl.math.exp2(s * qk_scale - lse[None, :])
         dv = tl.dot(p.to(do.dtype), do, dv)
         ds = p * (tl.dot(v, tl.trans(do)) - delta[None, :])
@@ -134,14 +146,15 @@ def _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, keys, rows,
     key=["BLOCK_DQK", "BLOCK_DV"],
 )
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, cu_seqlens_q, cu_seqlens_k,
+def _dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, cu_seqlens_q, cu_seqlens_k, KeyPadding, stride_kpb,
                  stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
                  stride_vb, stride_vh, stride_vs, stride_dob, stride_doh, stride_dos,
                  stride_lb, stride_lh, stride_ls, stride_db, stride_dh, stride_ds,
                  stride_dk_part, stride_dkb, stride_dkh, stride_dks, stride_dv_part, stride_dvb, stride_dvh, stride_dvs,
                  seqlen_q, seqlen_k, group, parts, before, after, qk_scale, scale,
                  D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-                 VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 VARLEN: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
     batch, kv_head, part = tl.program_id(2), tl.program_id(1) // parts, tl.program_id(1) % parts
     q_start, seqlen_q = sequence(cu_seqlens_q, batch, seqlen_q, VARLEN)
     k_start, seqlen_k = sequence(cu_seqlens_k, batch, seqlen_k, VARLEN)
@@ -163,6 +176,9 @@ def _dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, cu_seqlens_q, cu_seqlens_k,
     v = load_tile(v_ptrs + offs_n[:, None] * stride_vs + d_v[None, :], keys_ok, d_v, D_V, BLOCK_DV)
     dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    key_padding = KeyPadding
+    if HAS_KEY_PADDING:
+        key_padding += batch * stride_kpb
     lo, full_lo, full_hi, hi = tile_ranges(first, last, seqlen_q, after, before, BLOCK_M)
     heads = tl.cdiv(group, parts)
     head_lo = kv_head * group + part * heads
@@ -173,15 +189,18 @@ def _dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, cu_seqlens_q, cu_seqlens_k,
         do_ptrs += rows[:, None] * stride_dos + d_v[None, :]
         lse_ptrs = head_start(Lse, batch, head, q_start, stride_lb, stride_lh, stride_ls) + rows * stride_ls
         delta_ptrs = head_start(Delta, batch, head, q_start, stride_db, stride_dh, stride_ds) + rows * stride_ds
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, keys, rows, lo, full_lo,
-                             seqlen_q, after, before, qk_scale, stride_qs, stride_dos, stride_ls, stride_ds,
-                             d_qk, d_v, D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_M, True)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, keys, rows, full_lo, full_hi,
-                             seqlen_q, after, before, qk_scale, stride_qs, stride_dos, stride_ls, stride_ds,
-                             d_qk, d_v, D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_M, False)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, keys, rows, full_hi, hi,
-                             seqlen_q, after, before, qk_scale, stride_qs, stride_dos, stride_ls, stride_ds,
-                             d_qk, d_v, D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_M, True)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, key_padding, keys, rows,
+                             lo, full_lo, seqlen_q, seqlen_k, after, before, qk_scale, stride_qs, stride_dos,
+                             stride_ls, stride_ds, d_qk, d_v, D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_M, True,
+                             HAS_KEY_PADDING)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, key_padding, keys, rows,
+                             full_lo, full_hi, seqlen_q, seqlen_k, after, before, qk_scale, stride_qs, stride_dos,
+                             stride_ls, stride_ds, d_qk, d_v, D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_M, False,
+                             HAS_KEY_PADDING)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, key_padding, keys, rows,
+                             full_hi, hi, seqlen_q, seqlen_k, after, before, qk_scale, stride_qs, stride_dos,
+                             stride_ls, stride_ds, d_qk, d_v, D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_M, True,
+                             HAS_KEY_PADDING)
 
     part = tl.cast(part, tl.int64)
     dk_ptrs = head_start(DK + part * stride_dk_part, batch, kv_head, row, stride_dkb, stride_dkh, stride_dks)
@@ -207,22 +226,25 @@ def _packed(grad, varlen):
 
 
 def backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-             scale, before, after):
-    """Fills ``dq``, ``dk`` and ``dv`` in place; layouts as in ``triton_forward.forward``."""
+             scale, before, after, key_padding=None):
+    """Fills ``dq``, ``dk`` and ``dv`` in place; layouts and ``key_padding`` as in
+    ``triton_forward.forward``."""
     batch, h_q, s_q = q.shape[:3]
     h_kv = k.shape[1]
     d_qk, d_v = q.shape[-1], v.shape[-1]
     group = h_q // h_kv
     varlen = cu_seqlens_q is not None
     delta = torch.empty(1 if varlen else batch, h_q, s_q, dtype=torch.float32, device=q.device).expand(batch, h_q, s_q)
-    common = dict(D_QK=d_qk, D_V=d_v, BLOCK_DQK=head_blocks(d_qk), BLOCK_DV=head_blocks(d_v), VARLEN=varlen)
+    common = dict(D_QK=d_qk, D_V=d_v, BLOCK_DQK=head_blocks(d_qk), BLOCK_DV=head_blocks(d_v), VARLEN=varlen,
+                  HAS_KEY_PADDING=key_padding is not None)
+    padding = key_padding, 0 if key_padding is None else key_padding.stride(0)
     qk_scale = scale * LOG2E.value
 
     def dq_grid(meta):
         return triton.cdiv(max_seqlen_q, meta["BLOCK_M"]), h_q, batch
 
     _dq_kernel[dq_grid](
-        q, k, v, dout, out, lse, delta, dq, cu_seqlens_q, cu_seqlens_k,
+        q, k, v, dout, out, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *padding,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *out.stride()[:3],
         *lse.stride(), *delta.stride(), *dq.stride()[:3],
         max_seqlen_q, max_seqlen_k, group, before, after, qk_scale, scale, **common,
@@ -239,7 +261,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, ma
         return triton.cdiv(max_seqlen_k, meta["BLOCK_N"]), h_kv * parts, batch
 
     _dkdv_kernel[dkdv_grid](
-        q, k, v, dout, lse, delta, dk_parts, dv_parts, cu_seqlens_q, cu_seqlens_k,
+        q, k, v, dout, lse, delta, dk_parts, dv_parts, cu_seqlens_q, cu_seqlens_k, *padding,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *lse.stride(), *delta.stride(),
         dk_parts.stride(0), *dk_parts.stride()[1:4], dv_parts.stride(0), *dv_parts.stride()[1:4],
         max_seqlen_q, max_seqlen_k, group, parts, before, after, qk_scale, scale, **common,

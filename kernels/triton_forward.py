@@ -3,18 +3,20 @@ online softmax over the key tiles the mask leaves, output and LSE written once.
 
 Tensors come as (B, H, S, D) views with any strides but a unit last one; for packed varlen
 inputs B counts documents, the batch stride is 0, and ``cu_seqlens`` gives each document's rows.
+A dense call may add a (B, S_k) uint8 key padding mask, nonzero for a real key.
 """
 import triton
 import triton.language as tl
 
-from .triton_tiles import (LN2, LOG2E, autotune, head_blocks, head_start, load_tile, sequence, store_tile, tile_ranges,
-                           visible)
+from .triton_tiles import (LN2, LOG2E, autotune, drop_padding, head_blocks, head_start, load_tile, sequence, store_tile,
+                           tile_ranges, visible)
 
 
 @triton.jit
-def _attend(acc, row_sum, row_max, q, k_ptrs, v_ptrs, rows, cols, tile_lo, tile_hi, seqlen_k, before, after,
-            qk_scale, stride_ks, stride_vs, d_qk, d_v, D_QK: tl.constexpr, D_V: tl.constexpr,
-            BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+def _attend(acc, row_sum, row_max, q, k_ptrs, v_ptrs, key_padding, rows, cols, tile_lo, tile_hi, seqlen_k, before,
+            after, qk_scale, stride_ks, stride_vs, d_qk, d_v, D_QK: tl.constexpr, D_V: tl.constexpr,
+            BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+            HAS_KEY_PADDING: tl.constexpr):
     """Online softmax of the query block over key tiles [tile_lo, tile_hi), in base 2."""
     for tile in range(tile_lo, tile_hi):
         start = tile * BLOCK_N
@@ -23,9 +25,11 @@ def _attend(acc, row_sum, row_max, q, k_ptrs, v_ptrs, rows, cols, tile_lo, tile_
         s = tl.dot(q, tl.trans(k))  # scaled inside exp2, where it fuses with the shift (qk_scale > 0)
         if MASKED:
             s = tl.where(visible(rows, keys, seqlen_k, before, after), s, float("-inf"))
+        if HAS_KEY_PADDING:
+            s = drop_padding(s, key_padding, keys, seqlen_k, False)
         new_max = tl.maximum(row_max, tl.max(s, 1) * qk_scale)
         shift = new_max
-        if MASKED:  # a row that has seen no key yet keeps p = 0 instead of exp(-inf + inf)
+        if MASKED or HAS_KEY_PADDING:  # a row that has seen no key yet keeps p = 0 instead of exp(-inf + inf)
             shift = tl.where(new_max == float("-inf"), 0.0, new_max)
         p = tl.math.exp2(s * qk_scale - shift[:, None])
         alpha = tl.math.exp2(row_max - shift)
@@ -42,13 +46,14 @@ def _attend(acc, row_sum, row_max, q, k_ptrs, v_ptrs, rows, cols, tile_lo, tile_
     key=["BLOCK_DQK", "BLOCK_DV"],
 )
 @triton.jit
-def _forward_kernel(Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k,
+def _forward_kernel(Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, KeyPadding, stride_kpb,
                     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
                     stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
                     stride_lb, stride_lh, stride_ls,
                     seqlen_q, seqlen_k, group, before, after, qk_scale,
                     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-                    VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    VARLEN: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
     batch, head = tl.program_id(2), tl.program_id(1)
     q_start, seqlen_q = sequence(cu_seqlens_q, batch, seqlen_q, VARLEN)
     k_start, seqlen_k = sequence(cu_seqlens_k, batch, seqlen_k, VARLEN)
@@ -69,20 +74,23 @@ def _forward_kernel(Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k,
     k_ptrs += cols[:, None] * stride_ks + d_qk[None, :]
     v_ptrs = head_start(V, batch, head // group, k_start, stride_vb, stride_vh, stride_vs)
     v_ptrs += cols[:, None] * stride_vs + d_v[None, :]
+    key_padding = KeyPadding
+    if HAS_KEY_PADDING:
+        key_padding += batch * stride_kpb
 
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     lo, full_lo, full_hi, hi = tile_ranges(first, last, seqlen_k, before, after, BLOCK_N)
-    acc, row_sum, row_max = _attend(acc, row_sum, row_max, q, k_ptrs, v_ptrs, rows, cols, lo, full_lo, seqlen_k,
-                                    before, after, qk_scale, stride_ks, stride_vs, d_qk, d_v,
-                                    D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, True)
-    acc, row_sum, row_max = _attend(acc, row_sum, row_max, q, k_ptrs, v_ptrs, rows, cols, full_lo, full_hi, seqlen_k,
-                                    before, after, qk_scale, stride_ks, stride_vs, d_qk, d_v,
-                                    D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, False)
-    acc, row_sum, row_max = _attend(acc, row_sum, row_max, q, k_ptrs, v_ptrs, rows, cols, full_hi, hi, seqlen_k,
-                                    before, after, qk_scale, stride_ks, stride_vs, d_qk, d_v,
-                                    D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, True)
+    acc, row_sum, row_max = _attend(acc, row_sum, row_max, q, k_ptrs, v_ptrs, key_padding, rows, cols, lo, full_lo,
+                                    seqlen_k, before, after, qk_scale, stride_ks, stride_vs, d_qk, d_v,
+                                    D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, True, HAS_KEY_PADDING)
+    acc, row_sum, row_max = _attend(acc, row_sum, row_max, q, k_ptrs, v_ptrs, key_padding, rows, cols, full_lo, full_hi,
+                                    seqlen_k, before, after, qk_scale, stride_ks, stride_vs, d_qk, d_v,
+                                    D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, False, HAS_KEY_PADDING)
+    acc, row_sum, row_max = _attend(acc, row_sum, row_max, q, k_ptrs, v_ptrs, key_padding, rows, cols, full_hi, hi,
+                                    seqlen_k, before, after, qk_scale, stride_ks, stride_vs, d_qk, d_v,
+                                    D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, True, HAS_KEY_PADDING)
 
     seen = row_sum > 0
     row_sum = tl.where(seen, row_sum, 1.0)
@@ -94,8 +102,10 @@ def _forward_kernel(Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k,
     tl.store(lse_ptrs + offs_m * stride_ls, lse, mask=rows < seqlen_q)
 
 
-def forward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, before, after):
-    """Fills ``out`` (B, H_q, S_q, d_v) and ``lse`` (B, H_q, S_q) float32 in place."""
+def forward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, before, after,
+            key_padding=None):
+    """Fills ``out`` (B, H_q, S_q, d_v) and ``lse`` (B, H_q, S_q) float32 in place; ``key_padding``
+    is None or (B, S_k) uint8 with a unit last stride."""
     batch, h_q = q.shape[:2]
     d_qk, d_v = q.shape[-1], v.shape[-1]
 
@@ -103,8 +113,9 @@ def forward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
         return triton.cdiv(max_seqlen_q, meta["BLOCK_M"]), h_q, batch
 
     _forward_kernel[grid](
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, key_padding, 0 if key_padding is None else key_padding.stride(0),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *lse.stride(),
         max_seqlen_q, max_seqlen_k, h_q // k.shape[1], before, after, scale * LOG2E.value,
         D_QK=d_qk, D_V=d_v, BLOCK_DQK=head_blocks(d_qk), BLOCK_DV=head_blocks(d_v), VARLEN=cu_seqlens_q is not None,
+        HAS_KEY_PADDING=key_padding is not None,
     )

@@ -1,4 +1,4 @@
-"""What the Triton attention kernels share: the tiles a block of rows visits, the mask inside a
+"""What the Triton attention kernels share: the tiles a block of rows visits, the masks inside a
 tile, where a sequence and a head start, and the autotuning configurations.
 
 Masks are given as reaches: row r sees column c when ``r - before <= c <= r + after`` and
@@ -78,6 +78,18 @@ def visible(rows, cols, n_cols, before, after):
     """(rows, cols) mask of the pairs that see each other."""
     dist = cols[None, :] - rows[:, None]
     return (dist >= -before) & (dist <= after) & (cols[None, :] < n_cols)
+
+
+@triton.jit
+def drop_padding(s, key_padding, keys, n_keys, KEYS_ON_ROWS: tl.constexpr):
+    """Scores ``s`` with -inf for the padding keys, given one batch row of the (uint8) key
+    padding mask; ``s`` is (queries, keys), or (keys, queries) when ``KEYS_ON_ROWS``. Padding
+    can blank any tile, so every visited tile goes through this, not only the masked ones."""
+    real = tl.load(key_padding + keys, mask=keys < n_keys, other=0) != 0
+    if KEYS_ON_ROWS:
+        return tl.where(real[:, None], s, float("-inf"))
+    else:
+        return tl.where(real[None, :], s, float("-inf"))
 
 
 @triton.jit

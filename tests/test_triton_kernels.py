@@ -32,6 +32,7 @@ TOL = {torch.float32: 1e-5 if INTERPRET else 5e-3, torch.float16: 2e-3, torch.bf
 def _oracle(q, k, v, dout, **masking):
     """(out, lse, dq, dk, dv) in float64 on the CPU."""
     q, k, v = (x.detach().cpu().double().requires_grad_() for x in (q, k, v))
+    masking = {name: x.cpu() if isinstance(x, torch.Tensor) else x for name, x in masking.items()}
     out = naive_attention(q, k, v, **masking)
     grads = torch.autograd.grad(out, (q, k, v), dout.cpu().double())
     _, lse = reference.attention_forward(q.detach(), k.detach(), v.detach(), **masking)
@@ -92,6 +93,39 @@ def test_rows_that_see_no_key():
     out, lse, dq, _, _ = _check("gqa", 40, 24, is_causal=True, k_offset=20)
     assert torch.all(out[:, :, :20] == 0) and torch.all(lse[:, :, :20] == float("-inf"))
     assert torch.all(dq[:, :, :20] == 0) and torch.all(lse[:, :, 20:].isfinite())
+
+
+def _key_padding(batch, s_k, left, right):
+    """Batch row 0 padded on the left, row 1 on the right, any further row all padding."""
+    mask = torch.zeros(batch, s_k, dtype=torch.bool, device=DEVICE)
+    mask[0, left:] = True
+    mask[1, :s_k - right] = True
+    return mask
+
+
+PADDED_CASES = {
+    "gqa-causal": ("gqa", 48, 48, dict(is_causal=True)),  # keys 0..15, unmasked for queries 16..31, are padding
+    "mla-window": ("mla", 40, 56, dict(window=(7, 3))),
+    "gqa_mla-full": ("gqa_mla", 33, 40, {}),
+    "ring-step": ("mha", 24, 40, dict(is_causal=True, q_offset=40, k_offset=16)),
+}
+
+
+@pytest.mark.parametrize("case", list(PADDED_CASES))
+def test_key_padding(case):
+    torch.manual_seed(10)
+    heads, s_q, s_k, masking = PADDED_CASES[case]
+    _check(heads, s_q, s_k, batch=2, key_padding_mask=_key_padding(2, s_k, left=19, right=13), **masking)
+
+
+def test_key_padding_of_every_key():
+    """A batch row whose keys are all padding gives output 0, LSE -inf and zero gradients."""
+    torch.manual_seed(11)
+    mask = _key_padding(3, 40, left=5, right=21)
+    out, lse, dq, dk, dv = _check("gqa_mla", 40, 40, batch=3, is_causal=True, window=(12, -1), key_padding_mask=mask)
+    assert torch.all(lse[2] == float("-inf")) and torch.all(lse[0, :, 5:].isfinite())
+    assert all(torch.all(x[2] == 0) for x in (out, dq, dk, dv))
+    assert torch.all(dk[0, :, :5] == 0) and torch.all(dv[1, :, 19:] == 0)
 
 
 def test_strided_inputs():
@@ -195,7 +229,7 @@ def _bad_calls():
     return {
         "attn_mask": lambda: ta.attention_forward(q, k, v, scale=1.0, attn_mask=torch.ones(8, 8, dtype=torch.bool)),
         "key_padding_mask": lambda: ta.attention_backward(out, q, k, v, out, lse, scale=1.0,
-                                                          key_padding_mask=torch.ones(2, 8, dtype=torch.bool)),
+                                                          key_padding_mask=torch.ones(1, 8, dtype=torch.bool)),
         "scale": lambda: ta.attention_forward(q, k, v, scale=-1.0),
         "k:": lambda: ta.attention_forward(q[:, :3], k, v, scale=1.0),
         "v:": lambda: ta.attention_forward(q, k, v.half(), scale=1.0),
@@ -220,8 +254,8 @@ def test_supports():
 
     base = Problem.of(like(1, 64, 4096, 192), like(1, 4, 4096, 192), like(1, 4, 4096, 128), is_causal=True,
                       window=(1023, -1), q_offset=4096)
-    assert ta.supports(base) == torch.cuda.is_available()
-    for change in (dict(device_type="cpu"), dict(has_mask=True), dict(has_key_padding=True),
+    assert ta.supports(base) == ta.supports(replace(base, has_key_padding=True)) == torch.cuda.is_available()
+    for change in (dict(device_type="cpu"), dict(has_mask=True),
                    dict(dtype=torch.float64), dict(d_qk=320)):
         assert not ta.supports(replace(base, **change)), change
 
@@ -254,6 +288,20 @@ def test_gpu_bf16(case):
     v = torch.randn(batch, h_kv, s_k, d_v, device="cuda", dtype=torch.bfloat16)
     dout = torch.randn(batch, h_q, s_q, d_v, device="cuda", dtype=torch.bfloat16)
     masking["scale"] = d_qk ** -0.5
+    _poison_free_memory()
+    got = _run(q, k, v, dout, **masking)
+    _assert_close(got, _oracle(q, k, v, dout, **masking), TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_key_padding():
+    """Causal with left and right padding over several tiles, and a batch row of padding only."""
+    torch.manual_seed(10)
+    q = torch.randn(3, 8, 700, 192, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(3, 2, 700, 192, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(3, 2, 700, 128, device="cuda", dtype=torch.bfloat16)
+    dout = torch.randn(3, 8, 700, 128, device="cuda", dtype=torch.bfloat16)
+    masking = dict(scale=192 ** -0.5, is_causal=True, key_padding_mask=_key_padding(3, 700, left=300, right=77))
     _poison_free_memory()
     got = _run(q, k, v, dout, **masking)
     _assert_close(got, _oracle(q, k, v, dout, **masking), TOL[torch.bfloat16])
