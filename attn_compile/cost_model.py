@@ -43,6 +43,14 @@ class Problem:
     window: tuple = (-1, -1)
     mesh_shape: tuple = (2,)  # (cp,) or (outer, inner) for the hybrid
 
+    @classmethod
+    def of_shards(cls, q, k, v, *, is_causal: bool, mesh_shape: tuple, s_local=None, window=(-1, -1)):
+        """From q, k, v (tensors, or anything with their shape and dtype); ``s_local`` defaults to
+        q's sequence length, for q, k, v that are already this rank's shards."""
+        return cls(batch=q.shape[0], s_local=q.shape[2] if s_local is None else s_local, h_q=q.shape[1],
+                   h_kv=k.shape[1], d_qk=q.shape[-1], d_v=v.shape[-1], dtype=q.dtype, is_causal=is_causal,
+                   window=tuple(window), mesh_shape=tuple(mesh_shape))
+
     @property
     def cp(self) -> int:
         return math.prod(self.mesh_shape)
@@ -148,14 +156,20 @@ def feasible(strategy: str, p: Problem) -> tuple[bool, str]:
     return True, ""
 
 
-def choose(p: Problem, hw: Hardware = Hardware()) -> tuple[str, dict]:
-    """(fastest feasible strategy, {strategy: Estimate or reason it is infeasible})."""
+def choose(p: Problem, hw: Hardware = Hardware(), strategy: str = "auto") -> tuple[str, dict]:
+    """(the strategy to run, {strategy: Estimate or reason it is infeasible}): the fastest feasible
+    one, or ``strategy`` when it is forced and feasible."""
     table = {}
-    for strategy in STRATEGIES:
-        ok, reason = feasible(strategy, p)
-        table[strategy] = estimate(strategy, p, hw) if ok else reason
+    for name in STRATEGIES:
+        ok, reason = feasible(name, p)
+        table[name] = estimate(name, p, hw) if ok else reason
     estimates = {s: e for s, e in table.items() if isinstance(e, Estimate)}
     if not estimates:
         reasons = "; ".join(f"{s}: {r}" for s, r in table.items())
         raise ValueError(f"no context-parallel strategy can run this problem on mesh {p.mesh_shape}: {reasons}")
-    return min(estimates, key=lambda s: estimates[s].time_s), table
+    if strategy == "auto":
+        return min(estimates, key=lambda s: estimates[s].time_s), table
+    reason = table.get(strategy, f"strategy must be 'auto' or one of {STRATEGIES}; got {strategy!r}")
+    if isinstance(reason, str):
+        raise ValueError(f"strategy={strategy!r} cannot run here: {reason}")
+    return strategy, table

@@ -11,6 +11,7 @@ Anything else raises a ValueError that names every placement and says how to fix
 depends only on global shapes, placements and options, so every rank makes the same one.
 """
 import dataclasses
+import math
 from typing import Optional
 
 from torch.distributed.tensor import Replicate, Shard
@@ -98,22 +99,16 @@ def plan(q, k, v, *, is_causal: bool, window=(-1, -1), strategy: str = "auto",
     _check_divisible(q, k, mesh, cp_dims, fields)
     if not cp_dims:
         return Plan(**fields)
-    problem = cost_model.Problem(
-        batch=q.shape[0], s_local=q.shape[2] // _prod(mesh.shape[d] for d in cp_dims), h_q=q.shape[1],
-        h_kv=k.shape[1], d_qk=q.shape[-1], d_v=v.shape[-1], dtype=q.dtype, is_causal=is_causal, window=tuple(window),
-        mesh_shape=tuple(mesh.shape[d] for d in cp_dims))
-    best, table = cost_model.choose(problem, hardware)
-    if strategy != "auto":
-        reason = table.get(strategy, f"strategy must be 'auto' or one of {cost_model.STRATEGIES}; got {strategy!r}")
-        if isinstance(reason, str):
-            raise ValueError(f"strategy={strategy!r} cannot run here: {reason}")
-        best = strategy
+    mesh_shape = tuple(mesh.shape[d] for d in cp_dims)
+    problem = cost_model.Problem.of_shards(q, k, v, s_local=q.shape[SEQ] // math.prod(mesh_shape),
+                                           is_causal=is_causal, window=window, mesh_shape=mesh_shape)
+    best, table = cost_model.choose(problem, hardware, strategy)
     return Plan(cp_dims=tuple(cp_dims), strategy=best, table=table, **fields)
 
 
 def _check_divisible(q, k, mesh, cp_dims, fields) -> None:
     """Even shards only: uneven ones would differ in shape from rank to rank."""
-    seq_ranks = _prod(mesh.shape[d] for d in cp_dims)
+    seq_ranks = math.prod(mesh.shape[d] for d in cp_dims)
     if fields.get("q_seq_dim") is not None:
         seq_ranks *= mesh.shape[fields["q_seq_dim"]]
     if q.shape[SEQ] % seq_ranks:
@@ -134,9 +129,3 @@ def kv_head_slice(h_q: int, h_kv: int, ranks: int, rank: int) -> tuple[int, int]
     first = rank * local // group
     return first, max(local // group, 1)
 
-
-def _prod(values) -> int:
-    result = 1
-    for value in values:
-        result *= value
-    return result

@@ -23,7 +23,7 @@ from .. import cost_model, ops
 from ..cp import api  # noqa: F401  (registers attn_cp::context_parallel_attention)
 from ..cp.comm import process_groups
 from ..planner import HEADS, SEQ, kv_head_slice, plan
-from .shapes import example_tensor, hinted_shape
+from .shapes import example_tensor, hinted_meta, hinted_shape
 from .site import Site
 
 ATTENTION = ops.attention._opoverload
@@ -139,15 +139,9 @@ def _distribute_dtensor(graph, node, a, strategy, hardware) -> Distributed:
 
 def _distribute_shards(graph, node, a, groups, layout, strategy, hardware) -> Distributed:
     _check_causal_or_full(node, a, "sequence shards on options['mesh']")
-    q, k, v = (example_tensor(a[name]) for name in ("q", "k", "v"))
-    (b, h_q, s_local, d_qk), h_kv, d_v = hinted_shape(q), hinted_shape(k)[HEADS], hinted_shape(v)[-1]
-    problem = cost_model.Problem(batch=b, s_local=s_local, h_q=h_q, h_kv=h_kv, d_qk=d_qk, d_v=d_v, dtype=q.dtype,
-                                 is_causal=a["is_causal"], mesh_shape=tuple(g.size() for g in groups))
-    best, table = cost_model.choose(problem, hardware)
-    if strategy != "auto":
-        if isinstance(table[strategy], str):
-            raise ValueError(f"strategy={strategy!r} cannot run here: {table[strategy]}")
-        best = strategy
+    q, k, v = (hinted_meta(example_tensor(a[name])) for name in ("q", "k", "v"))
+    problem = cost_model.Problem.of_shards(q, k, v, is_causal=a["is_causal"], mesh_shape=[g.size() for g in groups])
+    best, table = cost_model.choose(problem, hardware, strategy)
     names = [g.group_name for g in groups]
     _replace(graph, node, lambda: _context_parallel(graph, a["q"], a["k"], a["v"], best, names, _scale(a, q),
                                                     a["is_causal"], layout))

@@ -38,9 +38,7 @@ _library.impl("context_parallel_attention", _run_strategy, "CompositeImplicitAut
 
 def choose_strategy(q, k, v, groups, *, is_causal: bool) -> str:
     """The cost model's fastest feasible strategy for these local shards on these groups."""
-    problem = cost_model.Problem(
-        batch=q.shape[0], s_local=q.shape[2], h_q=q.shape[1], h_kv=k.shape[1], d_qk=q.shape[-1], d_v=v.shape[-1],
-        dtype=q.dtype, is_causal=is_causal, mesh_shape=tuple(g.size() for g in groups))
+    problem = cost_model.Problem.of_shards(q, k, v, is_causal=is_causal, mesh_shape=[g.size() for g in groups])
     return cost_model.choose(problem)[0]
 
 

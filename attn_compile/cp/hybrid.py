@@ -9,7 +9,7 @@ from torch import Tensor
 
 from .checks import check_call
 from .comm import resolve
-from .registration import fake_grads, fake_result, register_attention_autograd
+from .registration import register_strategy
 from .ring import ring_backward, ring_forward
 from .ulysses import exchange_backward, exchange_forward
 
@@ -24,10 +24,6 @@ def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, outer_group_name: str, inn
                             lambda *qkv: ring_forward(*qkv, outer, scale, is_causal, layout))
 
 
-@hybrid_attention.register_fake
-def _(q, k, v, outer_group_name, inner_group_name, scale, is_causal, layout):
-    return fake_result(q, v)
-
 
 @torch.library.custom_op("attn_cp::hybrid_attention_backward", mutates_args=())
 def hybrid_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -38,9 +34,4 @@ def hybrid_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out
                              lambda *args: ring_backward(*args, outer, scale, is_causal, layout))
 
 
-@hybrid_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, outer_group_name, inner_group_name, scale, is_causal, layout):
-    return fake_grads(q, k, v)
-
-
-register_attention_autograd(hybrid_attention, hybrid_attention_backward)
+register_strategy(hybrid_attention, hybrid_attention_backward)

@@ -19,7 +19,14 @@ def fake_grads(q, k, v) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def register_attention_autograd(op, backward_op) -> None:
+def register_strategy(op, backward_op) -> None:
+    """The fakes and the autograd of a strategy's (out, lse) op and its backward op."""
+    op.register_fake(lambda q, k, v, *config: fake_result(q, v))
+    backward_op.register_fake(lambda dout, q, k, v, out, lse, *config: fake_grads(q, k, v))
+    _register_autograd(op, backward_op)
+
+
+def _register_autograd(op, backward_op) -> None:
     def setup_context(ctx, inputs, output):
         q, k, v, *config = inputs
         out, lse = output

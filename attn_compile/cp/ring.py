@@ -11,7 +11,7 @@ from .checks import check_call
 from .comm import pass_round, resolve, wait
 from .layout import chunk_starts, chunks_per_rank
 from .merge import empty_result
-from .registration import fake_grads, fake_result, register_attention_autograd
+from .registration import register_strategy
 from .tiles import attend_tiles, attend_tiles_backward, plan_tiles
 
 KV_TAG, GRAD_TAG = 0, 1
@@ -65,10 +65,6 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group_name: str, scale: floa
     return ring_forward(q, k, v, group, scale, is_causal, layout)
 
 
-@ring_attention.register_fake
-def _(q, k, v, group_name, scale, is_causal, layout):
-    return fake_result(q, v)
-
 
 @torch.library.custom_op("attn_cp::ring_attention_backward", mutates_args=())
 def ring_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -78,9 +74,4 @@ def ring_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
     return ring_backward(dout, q, k, v, out, lse, group, scale, is_causal, layout)
 
 
-@ring_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, group_name, scale, is_causal, layout):
-    return fake_grads(q, k, v)
-
-
-register_attention_autograd(ring_attention, ring_attention_backward)
+register_strategy(ring_attention, ring_attention_backward)

@@ -22,7 +22,7 @@ from attn_compile.kernels import attention_backward, attention_forward
 from .checks import check_call
 from .comm import all_to_all_stacked, resolve
 from .layout import join_shards, split_sequence
-from .registration import fake_grads, fake_result, register_attention_autograd
+from .registration import register_strategy
 
 
 def kv_head_repeats(h_kv: int, cp: int) -> int:
@@ -70,10 +70,6 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group_name: str, scale: f
                             lambda *qkv: attention_forward(*qkv, scale=scale, is_causal=is_causal))
 
 
-@ulysses_attention.register_fake
-def _(q, k, v, group_name, scale, is_causal, layout):
-    return fake_result(q, v)
-
 
 @torch.library.custom_op("attn_cp::ulysses_attention_backward", mutates_args=())
 def ulysses_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -84,9 +80,4 @@ def ulysses_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, ou
                              lambda *args: attention_backward(*args, scale=scale, is_causal=is_causal))
 
 
-@ulysses_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, group_name, scale, is_causal, layout):
-    return fake_grads(q, k, v)
-
-
-register_attention_autograd(ulysses_attention, ulysses_attention_backward)
+register_strategy(ulysses_attention, ulysses_attention_backward)
