@@ -42,14 +42,16 @@ class Problem:
     is_causal: bool
     window: tuple = (-1, -1)
     mesh_shape: tuple = (2,)  # (cp,) or (outer, inner) for the hybrid
+    layout: str = "zigzag"
 
     @classmethod
-    def of_shards(cls, q, k, v, *, is_causal: bool, mesh_shape: tuple, s_local=None, window=(-1, -1)):
+    def of_shards(cls, q, k, v, *, is_causal: bool, mesh_shape: tuple, s_local=None, window=(-1, -1),
+                  layout="zigzag"):
         """From q, k, v (tensors, or anything with their shape and dtype); ``s_local`` defaults to
         q's sequence length, for q, k, v that are already this rank's shards."""
         return cls(batch=q.shape[0], s_local=q.shape[2] if s_local is None else s_local, h_q=q.shape[1],
                    h_kv=k.shape[1], d_qk=q.shape[-1], d_v=v.shape[-1], dtype=q.dtype, is_causal=is_causal,
-                   window=tuple(window), mesh_shape=tuple(mesh_shape))
+                   window=tuple(window), mesh_shape=tuple(mesh_shape), layout=layout)
 
     @property
     def cp(self) -> int:
@@ -66,6 +68,15 @@ class Problem:
         if left == UNBOUNDED and right == 0:
             return (s + 1) / 2
         return min(s, (s if left == UNBOUNDED else left) + (s if right == UNBOUNDED else right) + 1)
+
+    def ring_transfers(self, ranks: int) -> int:
+        """Ring steps that move K and V: all but the first, unless a window on contiguous shards
+        lets the ring stop early (cp/ring.py stops after the last step any rank needs)."""
+        left, right = effective_window(self.is_causal, self.window)
+        if self.layout != "contiguous" or left == UNBOUNDED or right == UNBOUNDED:
+            return ranks - 1
+        reach = max(left, right)
+        return min(ranks - 1, -(-reach // self.s_local))
 
     def forward_flops(self) -> float:
         return 2.0 * self.batch * self.h_q * self.s_local * self.visible_keys() * (self.d_qk + self.d_v)
@@ -92,12 +103,12 @@ def _ring(p: Problem, hw: Hardware, ranks: int, compute: float) -> tuple[float, 
     step also pays a fixed overhead and the fp32 merge of the partial output."""
     step_bytes = p.kv_bytes(p.h_kv)
     step_transfer = step_bytes / (hw.link_gbps * 1e9)
-    steps = ranks - 1
+    transfers = p.ring_transfers(ranks)
     merge = 3 * p.batch * p.h_q * p.s_local * (p.d_v + 1) * 4 / (hw.memory_gbps * 1e9)
-    step_compute = compute / ranks + merge + hw.step_overhead_s
-    fwd = step_compute + steps * max(step_compute, step_transfer)
-    bwd = BACKWARD_COMPUTE * step_compute + steps * max(BACKWARD_COMPUTE * step_compute, 2 * step_transfer)
-    return 3 * steps * step_transfer, fwd + bwd, 3 * step_bytes
+    step_compute = compute / (transfers + 1) + merge + hw.step_overhead_s
+    fwd = step_compute + transfers * max(step_compute, step_transfer)
+    bwd = BACKWARD_COMPUTE * step_compute + transfers * max(BACKWARD_COMPUTE * step_compute, 2 * step_transfer)
+    return 3 * transfers * step_transfer, fwd + bwd, 3 * step_bytes
 
 
 def estimate(strategy: str, p: Problem, hw: Hardware = Hardware()) -> Estimate:

@@ -42,6 +42,7 @@ class Cudnn:
     def supports(p: Problem) -> bool:
         return (
             _plain(p) and p.dtype in _HALF and p.d_qk <= 256 and p.d_v <= 256
+            and (p.s_q, p.s_k) != (1, 1)  # cuDNN's backward refuses a single query against a single key
             and _sm() >= (9, 0) and torch.backends.cuda.cudnn_sdp_enabled()
         )
 
@@ -108,3 +109,46 @@ class Efficient:
             is_causal, scale=scale,
         )
         return dq, dk, dv
+
+
+class FlashVarlen:
+    """FA2's packed-document kernel, (total, H, D) with cumulative lengths. It takes a window and
+    GQA but needs d_v == d_qk: for MLA (d_v < d_qk) V is zero-padded to d_qk here, and the output
+    and dV trimmed. Only this kernel pads; the kernels that take d_v != d_qk get V as it is."""
+    name = "flash"
+
+    @staticmethod
+    def supports(p: Problem) -> bool:
+        return (
+            p.device_type == "cuda" and p.dtype in _HALF and not p.has_mask and not p.has_key_padding
+            and not p.offset and p.d_qk % 8 == 0 and p.d_v <= p.d_qk <= 256
+            and _sm() >= (8, 0) and torch.backends.cuda.flash_sdp_enabled()
+        )
+
+    @staticmethod
+    def pads_v(p: Problem) -> bool:
+        return p.d_v != p.d_qk
+
+    @staticmethod
+    def _padded(x, d):
+        return torch.nn.functional.pad(x, (0, d - x.shape[-1])) if x.shape[-1] != d else x
+
+    @staticmethod
+    def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale, is_causal=False,
+                window=(-1, -1)):
+        out, lse, *_ = aten._flash_attention_forward(
+            q, k, FlashVarlen._padded(v, q.shape[-1]), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0,
+            is_causal, False, scale=scale, window_size_left=window[0], window_size_right=window[1])
+        return out[..., : v.shape[-1]], lse.transpose(0, 1)
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale,
+                 is_causal=False, window=(-1, -1)):
+        d = q.shape[-1]
+        empty = q.new_empty(0)
+        dq, dk, dv = aten._flash_attention_backward(
+            FlashVarlen._padded(dout, d).contiguous(), q, k, FlashVarlen._padded(v, d),
+            FlashVarlen._padded(out, d).to(q.dtype).contiguous(), lse.transpose(0, 1).contiguous(), cu_seqlens_q,
+            cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, is_causal, empty, empty, scale=scale,
+            window_size_left=window[0], window_size_right=window[1])
+        return dq, dk, dv[..., : v.shape[-1]]

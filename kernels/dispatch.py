@@ -12,15 +12,16 @@ True = visible, or additive), ``key_padding_mask`` ((B, S_k) bool, True = a real
 global positions ``q_offset + i`` / ``k_offset + j``. All that apply are ANDed.
 """
 from . import reference
-from .aten import Cudnn, Efficient, Flash
+from .aten import Cudnn, Efficient, Flash, FlashVarlen
 from .problem import Problem
 
 try:
-    from .triton_attention import Triton
+    from .triton_attention import Triton, TritonVarlen
 except ImportError:  # triton is a Linux-only dependency
-    Triton = None
+    Triton = TritonVarlen = None
 
 FUSED = tuple(kernel for kernel in (Cudnn, Triton, Flash, Efficient) if kernel is not None)
+FUSED_VARLEN = tuple(kernel for kernel in (TritonVarlen, FlashVarlen) if kernel is not None)
 REFERENCE = "reference"
 
 
@@ -50,3 +51,29 @@ def attention_backward(dout, q, k, v, out, lse, *, scale, **masking):
     if kernel is not None:
         return kernel.backward(dout, q, k, v, out, lse, scale=scale, **masking)
     return reference.attention_backward(dout, q, k, v, out, lse, scale=scale, **masking)
+
+
+def _varlen_kernel(q, k, v, masking):
+    problem = Problem.of(*(x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)), **masking)
+    return next((kernel for kernel in FUSED_VARLEN if kernel.supports(problem)), None)
+
+
+def select_varlen_kernel(q, k, v, **masking) -> str:
+    """Name of the kernel that runs these packed documents: 'triton', 'flash' or 'reference'."""
+    kernel = _varlen_kernel(q, k, v, masking)
+    return kernel.name if kernel else REFERENCE
+
+
+def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale, **masking):
+    """(out (total_q, h_q, d_v), lse (total_q, h_q)) of packed documents; masking: is_causal and window."""
+    kernel = _varlen_kernel(q, k, v, masking)
+    forward = kernel.forward if kernel else reference.varlen_forward
+    return forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=scale, **masking)
+
+
+def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale,
+                    **masking):
+    kernel = _varlen_kernel(q, k, v, masking)
+    backward = kernel.backward if kernel else reference.varlen_backward
+    return backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=scale,
+                    **masking)

@@ -5,6 +5,8 @@ against. GQA is native: the h_q/h_kv query heads of a group are stacked along th
 so every key block is read once per group and never repeated. d_qk and d_v are independent.
 Rows that see no key produce output 0 and LSE -inf, and zero gradients.
 """
+import itertools
+
 import torch
 
 from .visibility import Visibility, classify, effective_window, visible
@@ -112,3 +114,38 @@ def attention_backward(dout, q, k, v, out, lse, *, scale, is_causal=False, windo
         dk[:, :, start:end] = ds.transpose(-1, -2) @ q_rows
         dq += ds @ k_blk
     return dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _documents(cu_seqlens_q, cu_seqlens_k):
+    """(query rows, key rows) of each document."""
+    bounds = [list(itertools.pairwise(cu.tolist())) for cu in (cu_seqlens_q, cu_seqlens_k)]
+    return [(slice(*q), slice(*k)) for q, k in zip(*bounds)]
+
+
+def _dense(x):
+    """A document's (L, H, D) rows as a (1, H, L, D) view."""
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale, is_causal=False,
+                   window=(-1, -1)):
+    """Packed documents (total, H, D), one call per document: out (total_q, h_q, d_v), lse (total_q, h_q)."""
+    out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
+    lse = q.new_full(q.shape[:-1], float("-inf"), dtype=lse_dtype(q.dtype))
+    for q_rows, k_rows in _documents(cu_seqlens_q, cu_seqlens_k):
+        part_out, part_lse = attention_forward(_dense(q[q_rows]), _dense(k[k_rows]), _dense(v[k_rows]), scale=scale,
+                                               is_causal=is_causal, window=window)
+        out[q_rows], lse[q_rows] = part_out[0].transpose(0, 1), part_lse[0].transpose(0, 1)
+    return out, lse
+
+
+def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale,
+                    is_causal=False, window=(-1, -1)):
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for q_rows, k_rows in _documents(cu_seqlens_q, cu_seqlens_k):
+        grads = attention_backward(_dense(dout[q_rows]), _dense(q[q_rows]), _dense(k[k_rows]), _dense(v[k_rows]),
+                                   _dense(out[q_rows]), lse[q_rows].transpose(0, 1).unsqueeze(0), scale=scale,
+                                   is_causal=is_causal, window=window)
+        for acc, rows, grad in zip((dq, dk, dv), (q_rows, k_rows, k_rows), grads):
+            acc[rows] = grad[0].transpose(0, 1)
+    return dq, dk, dv

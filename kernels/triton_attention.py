@@ -214,3 +214,11 @@ class Triton:
     supports = staticmethod(supports)
     forward = staticmethod(attention_forward)
     backward = staticmethod(attention_backward)
+
+
+class TritonVarlen:
+    """The packed-document kernels as dispatch.py sees a varlen kernel."""
+    name = "triton"
+    supports = staticmethod(supports)
+    forward = staticmethod(varlen_forward)
+    backward = staticmethod(varlen_backward)

@@ -20,18 +20,27 @@ LN2 = tl.constexpr(0.6931471805599453)
 def autotune(small, large, key):
     """``triton.autotune`` over ``small`` while the two head tiles are at most 256 wide together
     (d 128/128) and ``large`` beyond, each a list of (BLOCK_M, BLOCK_N, num_warps, num_stages)
-    picked from H100 sweeps (wider tiles with 4 warps spill there); one small configuration
-    when interpreting, so the CPU tests cross several tiles."""
+    picked from H100 sweeps (wider tiles with 4 warps spill there); float32 tiles take twice the
+    shared memory, so float32 runs them at half the rows and at most 2 stages. One small
+    configuration when interpreting, so the CPU tests cross several tiles. The kernel's first
+    argument must be Q."""
     if INTERPRET:
         return triton.autotune([triton.Config({"BLOCK_M": 16, "BLOCK_N": 16})], key=key)
-    small = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in small]
-    large = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in large]
 
-    def by_head_dims(configs, named_args, **kwargs):
+    def configs(sizes, float32=False):
+        if float32:
+            sizes = [(max(16, m // 2), max(16, n // 2), w, min(s, 2)) for m, n, w, s in sizes]
+        return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in sizes]
+
+    by_kind = {(wide, float32): configs(large if wide else small, float32)
+               for wide in (False, True) for float32 in (False, True)}
+
+    def by_head_dims_and_dtype(_configs, named_args, **kwargs):
         args = {**named_args, **kwargs}
-        return large if args["BLOCK_DQK"] + args["BLOCK_DV"] > 256 else small
+        return by_kind[args["BLOCK_DQK"] + args["BLOCK_DV"] > 256, args["Q"].element_size() == 4]
 
-    return triton.autotune(small + large, key=key, prune_configs_by={"early_config_prune": by_head_dims})
+    every = [config for kind in by_kind.values() for config in kind]
+    return triton.autotune(every, key=key, prune_configs_by={"early_config_prune": by_head_dims_and_dtype})
 
 
 def head_blocks(d: int) -> int:

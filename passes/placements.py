@@ -50,13 +50,22 @@ def _is_dtensor(t) -> bool:
     return type(t).__name__ == "DTensor"
 
 
-def _check_causal_or_full(node: Node, a: dict, inputs: str) -> None:
+def _check_positional_masking(node: Node, a: dict, inputs: str) -> None:
     masking = [name for name in ("attn_mask", "key_padding_mask") if a[name] is not None]
-    masking += [f"{name}={a[name]}" for name, unset in (("window_left", -1), ("window_right", -1), ("q_offset", 0))
-                if a[name] != unset]
+    if a["q_offset"]:
+        masking.append(f"q_offset={a['q_offset']}")
     if masking:
         raise ValueError(f"attention {node.name} with {inputs} uses {', '.join(masking)}; with sharded q, k, v only "
-                         f"causal or full attention is supported")
+                         f"causal, sliding-window or full attention is supported")
+
+
+def _window(a: dict) -> tuple[int, int]:
+    return a["window_left"], a["window_right"]
+
+
+def _window_kwargs(a: dict) -> dict:
+    """The window as the ops' keyword arguments, left out when unbounded."""
+    return {} if _window(a) == (-1, -1) else {"window_left": a["window_left"], "window_right": a["window_right"]}
 
 
 def _output_of(node: Node) -> Node:
@@ -94,15 +103,17 @@ def _replace(graph, node: Node, make) -> None:
     graph.erase_node(node)
 
 
-def _context_parallel(graph, q, k, v, strategy, group_names, scale, is_causal, layout) -> Node:
-    fused = graph.call_function(CONTEXT_PARALLEL, (q, k, v, strategy, list(group_names), scale, is_causal, layout))
+def _context_parallel(graph, a, q, k, v, strategy, group_names, scale, layout) -> Node:
+    """The context-parallel op on q, k, v with the site's mask."""
+    fused = graph.call_function(CONTEXT_PARALLEL, (q, k, v, strategy, list(group_names), scale, a["is_causal"], layout),
+                                _window_kwargs(a))
     return graph.call_function(operator.getitem, (fused, 0))
 
 
 def _distribute_dtensor(graph, node, a, strategy, hardware) -> Distributed:
     q, k, v = (example_tensor(a[name]) for name in ("q", "k", "v"))
-    _check_causal_or_full(node, a, "DTensor q, k, v")
-    p = plan(q, k, v, is_causal=a["is_causal"], strategy=strategy, hardware=hardware)
+    _check_positional_masking(node, a, "DTensor q, k, v")
+    p = plan(q, k, v, is_causal=a["is_causal"], window=_window(a), strategy=strategy, hardware=hardware)
     mesh = q.device_mesh
 
     def make():
@@ -121,14 +132,14 @@ def _distribute_dtensor(graph, node, a, strategy, hardware) -> Distributed:
         scale = _scale(a, q)
         if p.cp_dims:
             names = [mesh.get_group(d).group_name for d in p.cp_dims]
-            out = _context_parallel(graph, local["q"], local["k"], local["v"], p.strategy, names, scale,
-                                    a["is_causal"], "contiguous")
+            out = _context_parallel(graph, a, local["q"], local["k"], local["v"], p.strategy, names, scale,
+                                    "contiguous")
         else:
             q_offset = 0
             if p.q_seq_dim is not None:
                 q_offset = mesh.get_local_rank(p.q_seq_dim) * (hinted_shape(q)[SEQ] // mesh.size(p.q_seq_dim))
             fused = graph.call_function(ATTENTION, (local["q"], local["k"], local["v"], None, a["is_causal"], scale),
-                                        {"q_offset": q_offset} if q_offset else {})
+                                        {**_window_kwargs(a), **({"q_offset": q_offset} if q_offset else {})})
             out = graph.call_function(operator.getitem, (fused, 0))
         return graph.call_function(_from_local(mesh, q.placements), (out,))
 
@@ -138,13 +149,14 @@ def _distribute_dtensor(graph, node, a, strategy, hardware) -> Distributed:
 
 
 def _distribute_shards(graph, node, a, groups, layout, strategy, hardware) -> Distributed:
-    _check_causal_or_full(node, a, "sequence shards on options['mesh']")
+    _check_positional_masking(node, a, "sequence shards on options['mesh']")
     q, k, v = (hinted_meta(example_tensor(a[name])) for name in ("q", "k", "v"))
-    problem = cost_model.Problem.of_shards(q, k, v, is_causal=a["is_causal"], mesh_shape=[g.size() for g in groups])
+    problem = cost_model.Problem.of_shards(q, k, v, is_causal=a["is_causal"], window=_window(a), layout=layout,
+                                           mesh_shape=[g.size() for g in groups])
     best, table = cost_model.choose(problem, hardware, strategy)
     names = [g.group_name for g in groups]
-    _replace(graph, node, lambda: _context_parallel(graph, a["q"], a["k"], a["v"], best, names, _scale(a, q),
-                                                    a["is_causal"], layout))
+    _replace(graph, node, lambda: _context_parallel(graph, a, a["q"], a["k"], a["v"], best, names,
+                                                    _scale(a, q), layout))
     return Distributed(node.name, f"sequence shards ({layout}) on a mesh of {problem.mesh_shape}",
                        f"context parallel: {best}", table)
 

@@ -41,6 +41,16 @@ def test_window_reduces_compute_and_favours_gathering():
     assert choose(windowed)[0] == "allgather"
 
 
+def test_window_on_contiguous_shards_shortens_the_ring():
+    """A window of 1024 on shards of 8192 needs the keys of one rank back: one transfer, not seven,
+    and then the ring (no all-gather of the whole sequence) wins. Zigzag shards still pass all."""
+    windowed = dict(s_local=8192, h_kv=32, mesh_shape=(8,), window=(1024, 0))
+    contiguous, zigzag = _problem(**windowed, layout="contiguous"), _problem(**windowed)
+    assert (contiguous.ring_transfers(8), zigzag.ring_transfers(8)) == (1, 7)
+    assert estimate("ring", contiguous).transfer_s == pytest.approx(estimate("ring", zigzag).transfer_s / 7)
+    assert choose(contiguous)[0] == "ring"
+
+
 def test_causal_is_half_the_work_of_full():
     causal, full = _problem(), _problem(is_causal=False)
     assert estimate("ring", causal).compute_s == pytest.approx(estimate("ring", full).compute_s / 2, rel=1e-3)

@@ -25,7 +25,7 @@ def _qkv(h_q=4, h_kv=2, s=8, s_k=None, d=16):
 
 def _signature(rank, s, strategy):
     return (f"rank {rank}: q (1, 4, {s}, 16) torch.float32, k (1, 2, {s}, 16) torch.float32, v (1, 2, {s}, 16) "
-            f"torch.float32, strategy={strategy!r}, scale=0.25, is_causal=True, layout='zigzag'")
+            f"torch.float32, strategy={strategy!r}, scale=0.25, is_causal=True, layout='zigzag', window=(-1, -1)")
 
 
 def _check_errors(rank, world):

@@ -6,63 +6,75 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from attn_compile.cp.layout import (chunk_starts, chunks_per_rank, join_shards, shard_sequence, split_sequence,
+from attn_compile.cp.layout import (SequenceSharding, chunks_per_rank, join_shards, shard_sequence, split_sequence,
                                     unshard_sequence)
+from attn_compile.cp.ring import ring_steps
 from attn_compile.cp.merge import empty_result, merge_
 from attn_compile.cp.tiles import plan_tiles
 from attn_compile.kernels import attention_forward
+from attn_compile.kernels.visibility import effective_window, visible
 from dist_harness import run_distributed
 from oracle import naive_attention, rel_err
 
 LAYOUTS = ("zigzag", "contiguous")
 
 
-def _covered(tiles, q_starts, k_starts, length):
+def _positions(chunks):
+    return torch.tensor([c.position + i for c in chunks for i in range(c.length)])
+
+
+def _covered(tiles, q_chunks, k_chunks, seq, is_causal, window):
     """How many times each (query, key) pair of global positions is computed by the tiles."""
-    q_pos = torch.tensor([s + i for s in q_starts for i in range(length)])
-    k_pos = torch.tensor([s + i for s in k_starts for i in range(length)])
-    count = torch.zeros(int(q_pos.max()) + 1, int(k_pos.max()) + 1, dtype=torch.long)
+    q_pos, k_pos = _positions(q_chunks), _positions(k_chunks)
+    count = torch.zeros(seq, seq, dtype=torch.long)
     for tile in tiles:
         qp, kp = q_pos[tile.q_rows], k_pos[tile.k_rows]
         seen = torch.ones(len(qp), len(kp), dtype=torch.bool)
         if tile.masking:
             assert tile.masking["q_offset"] == int(qp[0]) and tile.masking["k_offset"] == int(kp[0])
-            seen = kp[None, :] <= qp[:, None]
+            seen = visible(qp, kp, *effective_window(is_causal, window))
         count[qp[:, None], kp[None, :]] += seen.long()
     return count
 
 
+@pytest.mark.parametrize("window", [(-1, -1), (3, 0), (2, 5)])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
-def test_tiles_compute_every_visible_pair_once(cp, is_causal, layout):
-    shard_len = 2 * 3
-    length = shard_len // chunks_per_rank(layout)
-    seq = cp * shard_len
-    visible = torch.ones(seq, seq, dtype=torch.long)
-    if is_causal:
-        visible = visible.tril()
+def test_tiles_compute_every_visible_pair_once(cp, is_causal, layout, window):
+    sharding = SequenceSharding(cp, layout, 2 * 3)
+    seq = cp * sharding.shard_len
+    want = visible(torch.arange(seq), torch.arange(seq), *effective_window(is_causal, window)).long()
     for q_rank in range(cp):
-        q_starts = chunk_starts(q_rank, cp, layout, shard_len)
-        count = torch.zeros(seq, seq, dtype=torch.long)
-        for kv_rank in range(cp):
-            k_starts = chunk_starts(kv_rank, cp, layout, shard_len)
-            tiles = plan_tiles(q_starts, k_starts, length, is_causal)
-            part = _covered(tiles, q_starts, k_starts, length)
-            count[: part.shape[0], : part.shape[1]] += part
-        rows = [s + i for s in q_starts for i in range(length)]
-        assert torch.equal(count[rows], visible[rows])
+        q_chunks = sharding.chunks(q_rank)
+        count = sum(_covered(plan_tiles(q_chunks, sharding.chunks(kv_rank), is_causal, window), q_chunks,
+                             sharding.chunks(kv_rank), seq, is_causal, window) for kv_rank in range(cp))
+        whole = plan_tiles(q_chunks, sharding.whole_chunks(), is_causal, window)
+        rows = _positions(q_chunks)
+        assert torch.equal(count[rows], want[rows])
+        assert torch.equal(_covered(whole, q_chunks, sharding.whole_chunks(), seq, is_causal, window)[rows],
+                           want[rows])
 
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_zigzag_causal_steps_are_balanced(cp):
     """The diagonal step is three chunk-sized calls, every other step one call of half a square."""
-    shard_len, length = 8, 4
+    sharding = SequenceSharding(cp, "zigzag", 8)
     for q_rank, kv_rank in itertools.product(range(cp), repeat=2):
-        tiles = plan_tiles(chunk_starts(q_rank, cp, "zigzag", shard_len),
-                           chunk_starts(kv_rank, cp, "zigzag", shard_len), length, True)
+        tiles = plan_tiles(sharding.chunks(q_rank), sharding.chunks(kv_rank), True)
         areas = [(t.q_rows.stop - t.q_rows.start) * (t.k_rows.stop - t.k_rows.start) for t in tiles]
-        assert areas == ([length * length] * 3 if q_rank == kv_rank else [shard_len * shard_len // 2])
+        assert areas == ([4 * 4] * 3 if q_rank == kv_rank else [8 * 8 // 2])
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_stops_after_the_last_step_a_window_needs(cp):
+    """Contiguous shards of 8 with a causal window of 8 need the keys of one rank back, so two
+    steps; zigzag shards have a neighbour chunk on the rank one step ahead, so all steps."""
+    assert ring_steps(SequenceSharding(cp, "contiguous", 8), True, (8, 0)) == 2
+    assert ring_steps(SequenceSharding(cp, "contiguous", 8), True, (7, 0)) == 2
+    assert ring_steps(SequenceSharding(cp, "contiguous", 8), True, (0, 0)) == 1
+    assert ring_steps(SequenceSharding(cp, "zigzag", 8), True, (4, 0)) == cp
+    assert ring_steps(SequenceSharding(cp, "contiguous", 8), False, (-1, -1)) == cp
 
 
 def test_merge_of_disjoint_key_sets_is_their_joint_attention():

@@ -73,21 +73,32 @@ def test_placements_world_4():
     run_distributed(_placement_cases, 4)
 
 
+def windowed_sdpa(q, k, v, is_causal):
+    """A causal sliding window of 4 keys, as models build it: the window is relative, so a mask
+    built on the local shard's positions means the same window on the whole sequence."""
+    i = torch.arange(q.shape[2])[:, None]
+    j = torch.arange(k.shape[2])[None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(j <= i) & (j > i - 4), enable_gqa=True)
+
+
 def _plain_shards(rank, world):
-    cases = [("auto", "zigzag"), ("ring", "contiguous"), ("allgather", "zigzag"), ("ulysses", "contiguous")]
+    cases = [("auto", "zigzag", None), ("ring", "contiguous", None), ("allgather", "zigzag", None),
+             ("ulysses", "contiguous", None), ("ring", "zigzag", (3, 0)), ("allgather", "contiguous", (3, 0)),
+             ("ulysses", "zigzag", (3, 0))]
     group = dist.group.WORLD
     if world == 4:
-        group, cases = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses")), [("auto", "zigzag")]
-    for seed, (strategy, layout) in enumerate(cases):
+        group = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))
+        cases = [("auto", "zigzag", None), ("hybrid", "contiguous", (3, 0))]
+    for seed, (strategy, layout, window) in enumerate(cases):
         q, k, v, dout = _inputs(seed)
         local = [shard_sequence(x, group, layout=layout).requires_grad_() for x in (q, k, v)]
         torch._dynamo.reset()
-        fn = torch.compile(sdpa, backend="attn_cp", fullgraph=True,
+        fn = torch.compile(windowed_sdpa if window else sdpa, backend="attn_cp", fullgraph=True,
                            options={"mesh": group, "layout": layout, "strategy": strategy})
         out = fn(*local, True)
         grads = torch.autograd.grad(out, local, shard_sequence(dout, group, layout=layout))
         q, k, v = (x.requires_grad_() for x in (q, k, v))
-        want = naive_attention(q, k, v, is_causal=True)
+        want = naive_attention(q, k, v, is_causal=True, window=window or (-1, -1))
         want_grads = torch.autograd.grad(want, (q, k, v), dout.double())
         got = [unshard_sequence(x.detach(), group, layout=layout) for x in (out, *grads)]
         errors = [rel_err(g, w) for g, w in zip(got, (want, *want_grads))]

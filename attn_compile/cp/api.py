@@ -1,64 +1,83 @@
 """``context_parallel_attention``: attention over a sequence sharded across ranks.
 
 Every strategy runs through one composite op, ``attn_cp::context_parallel_attention(q, k, v,
-strategy, group_names, scale, is_causal, layout, recompute_kv)``, so a compiled graph names the
-chosen strategy as an argument; tracing decomposes it into that strategy's own op.
+strategy, group_names, scale, is_causal, layout, recompute_kv, window_left, window_right,
+cu_seqlens, max_seqlen)``, so a compiled graph names the chosen strategy as an argument;
+tracing decomposes it into that strategy's own op.
 """
 import torch
 
 from attn_compile import cost_model
 
 from . import allgather, hybrid, ring, ulysses  # noqa: F401  (register the attn_cp ops)
-from .comm import process_groups, resolve
+from .comm import cp_size, process_groups, resolve
 
 STRATEGIES = (*cost_model.STRATEGIES, "auto")
 
 _library = torch.library.Library("attn_cp", "FRAGMENT")
 _library.define("context_parallel_attention(Tensor q, Tensor k, Tensor v, str strategy, str[] group_names, "
-                "float scale, bool is_causal, str layout, bool recompute_kv=False) -> (Tensor, Tensor)")
+                "float scale, bool is_causal, str layout, bool recompute_kv=False, int window_left=-1, "
+                "int window_right=-1, Tensor? cu_seqlens=None, int max_seqlen=0) -> (Tensor, Tensor)")
 
 
-def _run_strategy(q, k, v, strategy, group_names, scale, is_causal, layout, recompute_kv=False):
+def _run_strategy(q, k, v, strategy, group_names, scale, is_causal, layout, recompute_kv=False, window_left=-1,
+                  window_right=-1, cu_seqlens=None, max_seqlen=0):
     ops = torch.ops.attn_cp
+    masking = (window_left, window_right)
+    documents = (cu_seqlens, max_seqlen)
     if strategy == "ring":
-        return ops.ring_attention(q, k, v, group_names[0], scale, is_causal, layout)
+        return ops.ring_attention(q, k, v, group_names[0], scale, is_causal, layout, *masking, *documents)
     if strategy == "allgather":
         size = resolve(group_names)[0].size()
-        out, lse, _, _ = ops.allgather_attention(q, k, v, group_names[0], size, scale, is_causal, layout, recompute_kv)
+        recompute_kv = recompute_kv or cu_seqlens is not None
+        out, lse, _, _ = ops.allgather_attention(q, k, v, group_names[0], size, scale, is_causal, layout,
+                                                 recompute_kv, *masking, *documents)
         return out, lse
     if strategy == "ulysses":
-        return ops.ulysses_attention(q, k, v, group_names[0], scale, is_causal, layout)
+        return ops.ulysses_attention(q, k, v, group_names[0], scale, is_causal, layout, *masking, *documents)
     if strategy == "hybrid":
-        return ops.hybrid_attention(q, k, v, group_names[0], group_names[1], scale, is_causal, layout)
+        if cu_seqlens is not None:
+            raise ValueError("strategy='hybrid' does not take packed documents (cu_seqlens); use 'ring', "
+                             "'allgather' or 'ulysses'")
+        return ops.hybrid_attention(q, k, v, group_names[0], group_names[1], scale, is_causal, layout, *masking)
     raise ValueError(f"strategy must be one of {cost_model.STRATEGIES}; got {strategy!r}")
 
 
 _library.impl("context_parallel_attention", _run_strategy, "CompositeImplicitAutograd")
 
 
-def choose_strategy(q, k, v, groups, *, is_causal: bool) -> str:
-    """The cost model's fastest feasible strategy for these local shards on these groups."""
-    problem = cost_model.Problem.of_shards(q, k, v, is_causal=is_causal, mesh_shape=[g.size() for g in groups])
-    return cost_model.choose(problem)[0]
+def window_pair(window) -> tuple[int, int]:
+    """``window`` as the ops take it: None means unbounded on both sides."""
+    if window is None:
+        return (-1, -1)
+    if not (isinstance(window, (tuple, list)) and len(window) == 2 and all(isinstance(w, int) for w in window)):
+        raise ValueError(f"window must be None or (left, right), each an int >= 0 or -1 for unbounded; got {window!r}")
+    return tuple(window)
 
 
 def context_parallel_attention(q, k, v, *, group, strategy="auto", is_causal=False, scale=None, layout="zigzag",
-                               return_lse=False, recompute_kv=False):
+                               return_lse=False, recompute_kv=False, window=None, cu_seqlens=None, max_seqlen=0):
     """Attention of this rank's queries to the whole sequence, each rank holding a shard of it.
 
     q (B, h_q, S_local, d_qk), k (B, h_kv, S_local, d_qk), v (B, h_kv, S_local, d_v): the local
     shards, in the ``layout`` that ``shard_sequence`` produces ("zigzag" or "contiguous").
     ``group``: a ProcessGroup or 1-D DeviceMesh, or a 2-D DeviceMesh (outer, inner) for
     ``strategy="hybrid"``. ``strategy``: "ring", "allgather", "ulysses", "hybrid" or "auto" (the
-    cost model's choice). ``recompute_kv``: allgather gathers K and V again in backward instead of
-    keeping them. Returns out (B, h_q, S_local, d_v) in the layout of q, and with ``return_lse``
-    also the log-sum-exp (B, h_q, S_local), float32, which carries no gradient.
+    cost model's choice). ``window=(left, right)``: query i sees keys i-left..i+right (global
+    positions; -1 unbounded), ANDed with ``is_causal``. ``recompute_kv``: allgather gathers K and V
+    again in backward instead of keeping them. Returns out (B, h_q, S_local, d_v) in the layout of
+    q, and with ``return_lse`` also the log-sum-exp (B, h_q, S_local), float32, which carries no
+    gradient. A group of one rank runs the local op, with no collective.
+
+    ``cu_seqlens``/``max_seqlen`` are for ``attn_compile.varlen_attention``, which passes packed
+    documents as (1, H, T_local, D).
     """
     groups = process_groups(group)
+    window = window_pair(window)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}; got {strategy!r}")
     if strategy == "auto":
-        strategy = choose_strategy(q, k, v, groups, is_causal=is_causal)
+        strategy = choose_strategy(q, k, v, groups, is_causal=is_causal, window=window, layout=layout)
     if strategy == "hybrid" and len(groups) != 2:
         raise ValueError("strategy='hybrid' needs group to be a 2-D DeviceMesh (outer ring dim, inner Ulysses dim); "
                          "got a 1-D group")
@@ -66,6 +85,17 @@ def context_parallel_attention(q, k, v, *, group, strategy="auto", is_causal=Fal
         raise ValueError(f"strategy={strategy!r} needs group to be a ProcessGroup or a 1-D DeviceMesh; "
                          f"got a 2-D DeviceMesh (use strategy='hybrid')")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    out, lse = torch.ops.attn_cp.context_parallel_attention(
-        q, k, v, strategy, [g.group_name for g in groups], scale, is_causal, layout, recompute_kv)
+    if cp_size(groups) == 1 and cu_seqlens is None:
+        out, lse = torch.ops.attn_cp.attention(q, k, v, None, is_causal, scale, *window)
+    else:
+        out, lse = torch.ops.attn_cp.context_parallel_attention(
+            q, k, v, strategy, [g.group_name for g in groups], scale, is_causal, layout, recompute_kv, *window,
+            cu_seqlens, max_seqlen)
     return (out, lse) if return_lse else out
+
+
+def choose_strategy(q, k, v, groups, *, is_causal: bool, window=(-1, -1), layout="zigzag") -> str:
+    """The cost model's fastest feasible strategy for these local shards on these groups."""
+    problem = cost_model.Problem.of_shards(q, k, v, is_causal=is_causal, window=window, layout=layout,
+                                           mesh_shape=[g.size() for g in groups])
+    return cost_model.choose(problem)[0]

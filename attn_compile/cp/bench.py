@@ -14,10 +14,13 @@ counts, and every rank reports the slowest rank's median.
 ``--check``: bf16 context-parallel output and gradients against float32 single-GPU results,
 relative error (norm of error / norm of reference) at most 2.5e-2.
 
+``--documents``: packed documents (THD) with a sliding window instead; see bench_documents.py.
+
 ``--links``: GB/s each way per GPU of a ring pass (batched isend/irecv), an all-gather and an
 all-to-all of 256 MiB per rank: the figures behind ``cost_model.Hardware``.
 """
 import argparse
+import itertools
 import math
 import os
 
@@ -162,28 +165,32 @@ def _rel_err(got, want) -> float:
 
 
 def check(seq: int, groups) -> int:
-    """bf16 context parallel against float32 on one GPU; returns the number of failed cases."""
+    """bf16 context parallel against float32 on one GPU, causal and with a causal window of
+    seq/8; returns the number of failed cases."""
     rank, world = dist.get_rank(), dist.get_world_size()
     lines = [f"check: bf16 context parallel vs float32 single GPU, {seq} tokens, causal; relative error "
-             f"(tolerance {CHECK_TOLERANCE})", f"  {'config':16s} {'strategy':10s} {'out':>9s} {'dq':>9s} "
-                                               f"{'dk':>9s} {'dv':>9s}"]
+             f"(tolerance {CHECK_TOLERANCE})", f"  {'config':16s} {'strategy':10s} {'window':>12s} {'out':>9s} "
+                                               f"{'dq':>9s} {'dk':>9s} {'dv':>9s}"]
     failures = 0
-    for config, (h_q, h_kv, d_qk, d_v) in CONFIGS.items():
+    for (config, (h_q, h_kv, d_qk, d_v)), window in itertools.product(CONFIGS.items(), ((-1, -1), (seq // 8, 0))):
         torch.manual_seed(0)  # the same global inputs on every rank
         q, k, v = _inputs(h_q, h_kv, d_qk, d_v, seq, dtype=torch.float32, requires_grad=False)
         dout = torch.randn(1, h_q, seq, d_v, device=DEVICE)
-        scale = d_qk ** -0.5
-        out, lse = attention_forward(q, k, v, scale=scale, is_causal=True)
-        want = (out, *attention_backward(dout, q, k, v, out, lse, scale=scale, is_causal=True))
+        masking = dict(scale=d_qk ** -0.5, is_causal=True, window=window)
+        out, lse = attention_forward(q, k, v, **masking)
+        want = (out, *attention_backward(dout, q, k, v, out, lse, **masking))
         for strategy, group in _runnable(groups, h_q, world):
-            local = [shard_sequence(x.bfloat16(), group).requires_grad_() for x in (q, k, v)]
-            out_local = context_parallel_attention(*local, group=group, strategy=strategy, is_causal=True)
-            grads = torch.autograd.grad(out_local, local, shard_sequence(dout.bfloat16(), group))
-            errors = [_rel_err(unshard_sequence(x.detach(), group), w) for x, w in zip((out_local, *grads), want)]
-            ok = max(errors) <= CHECK_TOLERANCE
-            failures += not ok
-            lines.append(f"  {config:16s} {strategy:10s} " + " ".join(f"{e:9.2e}" for e in errors)
-                         + ("" if ok else "  FAIL"))
+            for layout in ("zigzag", "contiguous") if window != (-1, -1) else ("zigzag",):
+                local = [shard_sequence(x.bfloat16(), group, layout=layout).requires_grad_() for x in (q, k, v)]
+                out_local = context_parallel_attention(*local, group=group, strategy=strategy, is_causal=True,
+                                                       window=window, layout=layout)
+                grads = torch.autograd.grad(out_local, local, shard_sequence(dout.bfloat16(), group, layout=layout))
+                errors = [_rel_err(unshard_sequence(x.detach(), group, layout=layout), w)
+                          for x, w in zip((out_local, *grads), want)]
+                ok = max(errors) <= CHECK_TOLERANCE
+                failures += not ok
+                lines.append(f"  {config:16s} {strategy + ' ' + layout[:3]:14s} {str(window):>12s} "
+                             + " ".join(f"{e:9.2e}" for e in errors) + ("" if ok else "  FAIL"))
     if rank == 0:
         print("\n".join(lines), flush=True)
     return failures
@@ -212,12 +219,21 @@ def main(argv=None) -> int:
                         help="global tokens (default 65536 131072; --check: 8192)")
     parser.add_argument("--check", action="store_true", help="check bf16 results against float32 instead of timing")
     parser.add_argument("--links", action="store_true", help="measure link bandwidth instead of attention")
+    parser.add_argument("--documents", action="store_true",
+                        help="packed documents with a sliding window (cp/bench_documents.py), timed or with --check")
     args = parser.parse_args(argv)
     if "RANK" not in os.environ:
         parser.error("run under torchrun: the world size and ranks come from its environment")
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl")
     try:
+        if args.documents:
+            from . import bench_documents
+
+            if args.check:
+                return int(bench_documents.check(dist.get_world_size()) > 0)
+            bench_documents.benchmark(dist.get_world_size())
+            return 0
         groups = _groups(dist.get_world_size())
         if args.check:
             return int(sum(check(seq, groups) for seq in (args.seq or [8192])) > 0)

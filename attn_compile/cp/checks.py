@@ -3,27 +3,34 @@
 Ranks first agree that they were called alike (one small all-gather, cached per call
 signature), so a bad argument makes every rank raise the same error and none hangs in a
 collective that a failed rank never joins. The first call with each signature checks it:
-ranks are expected to call with the same sequence of signatures.
+ranks are expected to call with the same sequence of signatures. Packed documents are checked
+on every call: their signature holds the document lengths, and a rank-local problem (a token
+count that does not match them) is put into it, so every rank sees it.
 """
+import zlib
+
 import torch
 
 from attn_compile.validation import check_attention_args
 
-from .comm import all_gather_stacked, cp_size
-from .layout import check_layout
+from .comm import all_gather_stacked, cp_rank, cp_size
+from .documents import check_cu_seqlens, cu_seqlens_error, document_sharding
+from .layout import SequenceSharding, check_layout
 
 _SIGNATURE_BYTES = 512
 _AGREED: set = set()
 
 
-def _signature(q, k, v, options: dict) -> str:
-    shapes = ", ".join(f"{name} {tuple(x.shape)} {x.dtype}" for name, x in (("q", q), ("k", k), ("v", v)))
+def _signature(q, k, v, options: dict, packed: bool) -> str:
+    def shape(x):  # packed shards hold different token counts: that part is checked against cu_seqlens
+        return tuple("T" if packed and dim == 2 else size for dim, size in enumerate(x.shape))
+    shapes = ", ".join(f"{name} {shape(x)} {x.dtype}" for name, x in (("q", q), ("k", k), ("v", v)))
     return shapes + "".join(f", {key}={value!r}" for key, value in options.items())
 
 
-def check_same_on_all_ranks(groups, q, k, v, **options) -> None:
+def check_same_on_all_ranks(groups, q, k, v, packed=False, **options) -> None:
     """Raises the same ValueError on every rank unless all ranks pass like shapes and options."""
-    signature = _signature(q, k, v, options)
+    signature = _signature(q, k, v, options, packed)
     key = (tuple(group.group_name for group in groups), signature)
     if key in _AGREED:
         return
@@ -33,17 +40,44 @@ def check_same_on_all_ranks(groups, q, k, v, **options) -> None:
     if len(set(signatures)) > 1:
         listing = "; ".join(f"rank {rank}: {s}" for rank, s in enumerate(signatures))
         raise ValueError(f"q, k, v and the options must be the same on every rank of the group; got {listing}")
-    _AGREED.add(key)
+    if not packed:
+        _AGREED.add(key)
 
 
-def check_inputs(q, k, v, groups, *, layout: str, head_split: int = 1, strategy: str) -> None:
+def sharding_of(q, groups, layout: str, cu_seqlens=None):
+    """Where the rows of q, k, v sit in the sequence: their ``SequenceSharding`` or ``DocumentSharding``."""
+    if cu_seqlens is None:
+        return SequenceSharding(cp_size(groups), layout, q.shape[2])
+    return document_sharding(tuple(cu_seqlens.tolist()), cp_size(groups), layout)
+
+
+def _documents_error(q, groups, layout, cu_seqlens, max_seqlen):
+    """Why packed shards q cannot be the shards of the documents ``cu_seqlens`` describes, or None."""
+    try:
+        check_cu_seqlens("cu_seqlens", cu_seqlens)
+    except ValueError as error:
+        return str(error)
+    if q.shape[0] != 1:
+        return f"packed documents come as one batch entry: q.shape[0] must be 1; got {q.shape[0]}"
+    values = cu_seqlens.tolist()
+    error = cu_seqlens_error("cu_seqlens", values, values[-1], "", max_seqlen, "max_seqlen")
+    if error:
+        return error
+    expected = document_sharding(tuple(values), cp_size(groups), layout).local_len(cp_rank(groups))
+    if q.shape[2] != expected:
+        return (f"q, k, v hold {q.shape[2]} tokens on rank {cp_rank(groups)}, but cu_seqlens gives this rank "
+                f"{expected} (shard the batch with shard_varlen)")
+    return None
+
+
+def check_inputs(q, k, v, groups, *, layout: str, window, head_split: int = 1, strategy: str, packed: bool) -> None:
     """Local checks; ``head_split`` is the number of ranks the query heads are divided among."""
     check_layout(layout)
-    check_attention_args(q, k, v, None, (-1, -1))
+    check_attention_args(q, k, v, None, window)
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"q and k must have the same local sequence length (context parallelism is self-attention "
                          f"over one sharded sequence); got q.shape[2]={q.shape[2]}, k.shape[2]={k.shape[2]}")
-    if layout == "zigzag" and q.shape[2] % 2:
+    if layout == "zigzag" and q.shape[2] % 2 and not packed:
         cp = cp_size(groups)
         raise ValueError(f"q.shape[2] (the local sequence length) must be even for layout='zigzag': the global "
                          f"sequence must be a multiple of 2·cp = {2 * cp}; got {q.shape[2]} per rank")
@@ -52,8 +86,17 @@ def check_inputs(q, k, v, groups, *, layout: str, head_split: int = 1, strategy:
                          f"must be a multiple of {head_split}; got {q.shape[1]}")
 
 
-def check_call(q, k, v, groups, *, strategy: str, scale: float, is_causal: bool, layout: str,
-               head_split: int = 1) -> None:
-    """Everything a context-parallel op checks before its first collective."""
-    check_same_on_all_ranks(groups, q, k, v, strategy=strategy, scale=scale, is_causal=is_causal, layout=layout)
-    check_inputs(q, k, v, groups, layout=layout, head_split=head_split, strategy=strategy)
+def check_call(q, k, v, groups, *, strategy: str, scale: float, is_causal: bool, layout: str, window=(-1, -1),
+               cu_seqlens=None, max_seqlen: int = 0, head_split: int = 1):
+    """Everything a context-parallel op checks before its first collective; returns ``sharding_of``."""
+    options = dict(strategy=strategy, scale=scale, is_causal=is_causal, layout=layout, window=tuple(window))
+    packed = cu_seqlens is not None
+    if packed:
+        values = cu_seqlens.tolist()
+        options["cu_seqlens"] = f"{len(values) - 1} documents, crc {zlib.crc32(str(values).encode()):08x}"
+        options["problem"] = _documents_error(q, groups, layout, cu_seqlens, max_seqlen)
+    check_same_on_all_ranks(groups, q, k, v, packed, **options)
+    if packed and options["problem"]:
+        raise ValueError(options["problem"])
+    check_inputs(q, k, v, groups, layout=layout, window=tuple(window), head_split=head_split, strategy=strategy, packed=packed)
+    return sharding_of(q, groups, layout, cu_seqlens)

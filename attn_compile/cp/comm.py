@@ -70,15 +70,16 @@ def all_to_all_stacked(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def pass_round(tensors, group, tag: int):
-    """Posts sends of ``tensors`` to the next rank of the ring and receives of like tensors from
-    the previous one. Returns (received, works); the received tensors are valid after ``wait(works)``."""
+def pass_round(tensors, group, tag: int, shift: int = 1):
+    """Posts sends of ``tensors`` to the rank ``shift`` places on round the ring and receives of
+    like tensors from the rank as far back. Returns (received, works); the received tensors are
+    valid after ``wait(works)``."""
     size = group.size()
-    if size == 1:
+    if shift % size == 0:
         return tuple(tensors), []
     rank = group.rank()
-    next_peer = dist.get_global_rank(group, (rank + 1) % size)
-    prev_peer = dist.get_global_rank(group, (rank - 1) % size)
+    next_peer = dist.get_global_rank(group, (rank + shift) % size)
+    prev_peer = dist.get_global_rank(group, (rank - shift) % size)
     tensors = [t.contiguous() for t in tensors]
     received = tuple(torch.empty_like(t) for t in tensors)
     ops = [dist.P2POp(dist.isend, t, next_peer, group, tag) for t in tensors]

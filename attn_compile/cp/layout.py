@@ -3,7 +3,14 @@
 ``zigzag`` (load-balanced): the sequence is cut into 2·cp chunks and rank r holds chunks r and
 2cp-1-r, so under a causal mask every rank has the same amount of work. ``contiguous``: the
 sequence is cut into cp chunks and rank r holds chunk r.
+
+A sharding (``SequenceSharding`` here, ``DocumentSharding`` for packed documents in
+documents.py) tells the strategies where each row of a shard sits in the sequence, as
+``Chunk``s, and moves between per-rank shards and the whole sequence.
 """
+import functools
+from dataclasses import dataclass
+
 import torch
 
 from .comm import all_gather_stacked, cp_rank, cp_size, process_groups
@@ -28,6 +35,50 @@ def chunk_starts(rank: int, cp: int, layout: str, shard_len: int) -> list[int]:
     """Global position of the first row of each chunk of rank's shard, in shard order."""
     length = shard_len // chunks_per_rank(layout)
     return [chunk * length for chunk in chunk_ids(rank, cp, layout)]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Rows [row, row + length) of a buffer: positions [position, position + length) of a document."""
+    row: int
+    position: int
+    length: int
+    document: int = 0
+
+
+@dataclass(frozen=True)
+class SequenceSharding:
+    """One sequence of cp · shard_len rows per batch entry, in ``layout``."""
+    cp: int
+    layout: str
+    shard_len: int
+
+    def local_len(self, rank: int) -> int:
+        return self.shard_len
+
+    @functools.cached_property
+    def _chunk_len(self) -> int:
+        return self.shard_len // chunks_per_rank(self.layout)
+
+    def chunks(self, rank: int) -> tuple[Chunk, ...]:
+        """Rank's shard, chunk by chunk."""
+        length = self._chunk_len
+        return tuple(Chunk(i * length, start, length)
+                     for i, start in enumerate(chunk_starts(rank, self.cp, self.layout, self.shard_len)))
+
+    def whole_chunks(self) -> tuple[Chunk, ...]:
+        """The whole sequence (``join``'s result), chunk by chunk."""
+        length = self._chunk_len
+        return tuple(Chunk(i * length, i * length, length) for i in range(self.cp * chunks_per_rank(self.layout)))
+
+    def pad(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return x
+
+    def split(self, x: torch.Tensor, dim: int) -> list[torch.Tensor]:
+        return split_sequence(x, self.cp, self.layout, dim)
+
+    def join(self, shards, dim: int) -> torch.Tensor:
+        return join_shards(shards, self.layout, dim)
 
 
 def take_shard(x: torch.Tensor, rank: int, cp: int, layout: str, dim: int) -> torch.Tensor:

@@ -31,10 +31,15 @@ def _register_autograd(op, backward_op) -> None:
         q, k, v, *config = inputs
         out, lse = output
         ctx.mark_non_differentiable(lse)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.config = config
+        ctx.tensor_slots = [i for i, item in enumerate(config) if isinstance(item, torch.Tensor)]  # cu_seqlens
+        ctx.save_for_backward(q, k, v, out, lse, *(config[i] for i in ctx.tensor_slots))
+        ctx.config = [None if i in ctx.tensor_slots else item for i, item in enumerate(config)]
 
     def backward(ctx, dout, _dlse):
-        return (*backward_op(dout, *ctx.saved_tensors, *ctx.config), *[None] * len(ctx.config))
+        q, k, v, out, lse, *tensors = ctx.saved_tensors
+        config = ctx.config.copy()
+        for i, tensor in zip(ctx.tensor_slots, tensors):
+            config[i] = tensor
+        return (*backward_op(dout, q, k, v, out, lse, *config), *[None] * len(config))
 
     op.register_autograd(backward, setup_context=setup_context)

@@ -1,15 +1,19 @@
 """Ring attention: K and V travel round the ring while each rank attends its queries to them.
 
 Step i's transfer is posted before step i's compute, so on CUDA it overlaps it. In the
-backward pass dK and dV travel one step behind K and V and arrive home after the last step.
+backward pass dK and dV travel one step behind K and V and are sent home after the last step.
+A sliding window may leave the ring's later steps with nothing to see on any rank: the ring
+stops after the last step some rank needs, so those blocks are neither computed nor sent.
 K and V keep their own head count and head dims: no repeat for GQA, no padding for MLA.
 """
+import functools
+from typing import Optional
+
 import torch
 from torch import Tensor
 
-from .checks import check_call
+from .checks import check_call, sharding_of
 from .comm import pass_round, resolve, wait
-from .layout import chunk_starts, chunks_per_rank
 from .merge import empty_result
 from .registration import register_strategy
 from .tiles import attend_tiles, attend_tiles_backward, plan_tiles
@@ -17,61 +21,78 @@ from .tiles import attend_tiles, attend_tiles_backward, plan_tiles
 KV_TAG, GRAD_TAG = 0, 1
 
 
-def _tiles(q_rank, kv_rank, cp, layout, shard_len, is_causal):
-    starts = chunk_starts(q_rank, cp, layout, shard_len), chunk_starts(kv_rank, cp, layout, shard_len)
-    return plan_tiles(*starts, shard_len // chunks_per_rank(layout), is_causal)
+def _tiles(sharding, q_rank, kv_rank, is_causal, window):
+    return plan_tiles(sharding.chunks(q_rank), sharding.chunks(kv_rank), is_causal, window)
 
 
-def ring_forward(q, k, v, group, scale, is_causal, layout):
-    rank, size, shard_len = group.rank(), group.size(), q.shape[2]
+@functools.lru_cache(maxsize=256)
+def ring_steps(sharding, is_causal: bool, window: tuple) -> int:
+    """1 + the last step at which some rank's queries see the keys that have come to it."""
+    cp = sharding.cp
+    needed = [step for step in range(cp) for rank in range(cp)
+              if _tiles(sharding, rank, (rank - step) % cp, is_causal, window)]
+    return 1 + max(needed, default=0)
+
+
+def ring_forward(q, k, v, group, scale, is_causal, window, sharding):
+    rank, size = group.rank(), group.size()
+    steps = ring_steps(sharding, is_causal, window)
+    k, v = sharding.pad(k, 2), sharding.pad(v, 2)
     out, lse = empty_result(q, v)
-    for step in range(size):
-        if step + 1 < size:
+    for step in range(steps):
+        if step + 1 < steps:
             next_kv, kv_works = pass_round((k, v), group, KV_TAG)
-        tiles = _tiles(rank, (rank - step) % size, size, layout, shard_len, is_causal)
-        attend_tiles(q, k, v, tiles, scale, out, lse)
-        if step + 1 < size:
+        attend_tiles(q, k, v, _tiles(sharding, rank, (rank - step) % size, is_causal, window), scale, out, lse)
+        if step + 1 < steps:
             wait(kv_works)
             k, v = next_kv
     return out.to(q.dtype), lse
 
 
-def ring_backward(dout, q, k, v, out, lse, group, scale, is_causal, layout):
-    rank, size, shard_len = group.rank(), group.size(), q.shape[2]
+def ring_backward(dout, q, k, v, out, lse, group, scale, is_causal, window, sharding):
+    rank, size, k_len = group.rank(), group.size(), k.shape[2]
+    steps = ring_steps(sharding, is_causal, window)
+    k, v = sharding.pad(k, 2), sharding.pad(v, 2)
     dq = q.new_zeros(q.shape, dtype=lse.dtype)
-    for step in range(size):
-        if step + 1 < size:
+    for step in range(steps):
+        if step + 1 < steps:
             next_kv, kv_works = pass_round((k, v), group, KV_TAG)
         dk, dv = k.new_zeros(k.shape, dtype=lse.dtype), v.new_zeros(v.shape, dtype=lse.dtype)
-        tiles = _tiles(rank, (rank - step) % size, size, layout, shard_len, is_causal)
+        tiles = _tiles(sharding, rank, (rank - step) % size, is_causal, window)
         attend_tiles_backward(dout, q, k, v, out, lse, tiles, scale, dq, dk, dv)
         if step > 0:  # add what the ranks before this one found for the same keys
             wait(grad_works)
             dk += next_grads[0]
             dv += next_grads[1]
-        next_grads, grad_works = pass_round((dk, dv), group, GRAD_TAG)
-        if step + 1 < size:
+        if step + 1 < steps:
+            next_grads, grad_works = pass_round((dk, dv), group, GRAD_TAG)
             wait(kv_works)
             k, v = next_kv
-    wait(grad_works)
-    return dq.to(q.dtype), next_grads[0].to(k.dtype), next_grads[1].to(v.dtype)
+    # dk, dv are the gradients of the keys of rank - (steps - 1): send them home
+    (dk, dv), works = pass_round((dk, dv), group, GRAD_TAG, shift=1 - steps)
+    wait(works)
+    return dq.to(q.dtype), *(g[:, :, :k_len].to(k.dtype).contiguous() for g in (dk, dv))
 
 
 @torch.library.custom_op("attn_cp::ring_attention", mutates_args=())
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, group_name: str, scale: float, is_causal: bool,
-                   layout: str) -> tuple[Tensor, Tensor]:
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, group_name: str, scale: float, is_causal: bool, layout: str,
+                   window_left: int = -1, window_right: int = -1, cu_seqlens: Optional[Tensor] = None,
+                   max_seqlen: int = 0) -> tuple[Tensor, Tensor]:
     (group,) = groups = resolve([group_name])
-    check_call(q, k, v, groups, strategy="ring", scale=scale, is_causal=is_causal, layout=layout)
-    return ring_forward(q, k, v, group, scale, is_causal, layout)
-
+    window = (window_left, window_right)
+    sharding = check_call(q, k, v, groups, strategy="ring", scale=scale, is_causal=is_causal, layout=layout,
+                          window=window, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+    return ring_forward(q, k, v, group, scale, is_causal, window, sharding)
 
 
 @torch.library.custom_op("attn_cp::ring_attention_backward", mutates_args=())
 def ring_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                            group_name: str, scale: float, is_causal: bool, layout: str
+                            group_name: str, scale: float, is_causal: bool, layout: str, window_left: int = -1,
+                            window_right: int = -1, cu_seqlens: Optional[Tensor] = None, max_seqlen: int = 0
                             ) -> tuple[Tensor, Tensor, Tensor]:
-    (group,) = resolve([group_name])
-    return ring_backward(dout, q, k, v, out, lse, group, scale, is_causal, layout)
+    (group,) = groups = resolve([group_name])
+    sharding = sharding_of(q, groups, layout, cu_seqlens)
+    return ring_backward(dout, q, k, v, out, lse, group, scale, is_causal, (window_left, window_right), sharding)
 
 
 register_strategy(ring_attention, ring_attention_backward)

@@ -1,12 +1,14 @@
-"""Local queries against a block of keys held as chunks of known global position: the kernel
-calls that cover every visible (query, key) pair once, and running them into merged results.
+"""Local queries against a block of keys held as chunks of known document and position: the
+kernel calls that cover every visible (query, key) pair once, and running them into merged results.
 
-Ring (one block per step) and all-gather (one block of every key) both work through here.
-Every (query chunk, key chunk) pair is classified from global positions alone: an invisible
-pair is skipped, a fully visible one runs unmasked, a partly visible one runs masked at its
-global positions. Fully visible pairs that are adjacent in both buffers run as one call, so a
-zigzag step off the diagonal is one half-size call and a diagonal chunk one square causal call.
+Ring (one rank's keys per step), all-gather (the whole sequence) and Ulysses (the whole sequence
+of packed documents) all work through here. Every (query chunk, key chunk) pair is classified
+from positions alone: a pair from different documents or outside the mask is skipped, a fully
+visible one runs unmasked, a partly visible one runs masked at its positions. Fully visible pairs
+that are adjacent in both buffers run as one call, so a zigzag step off the diagonal is one
+half-size call and a diagonal chunk one square causal call.
 """
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -25,39 +27,45 @@ class Tile:
     masking: dict  # the kernels' mask arguments; empty when every query sees every key
 
 
-def _full_runs(visibility) -> tuple[tuple[int, int], ...]:
-    """(first, end) of each run of adjacent fully visible key chunks."""
-    runs, index = [], 0
-    for full, run in itertools.groupby(v is Visibility.FULL for v in visibility):
-        length = len(list(run))
-        if full:
-            runs.append((index, index + length))
-        index += length
-    return tuple(runs)
+def _rows(chunks) -> slice:
+    return slice(chunks[0].row, chunks[-1].row + chunks[-1].length)
 
 
-def plan_tiles(q_starts, k_starts, length: int, is_causal: bool) -> list[Tile]:
-    """Tiles for query chunks at global positions ``q_starts`` against key chunks at ``k_starts``,
-    every chunk ``length`` rows, chunks laid out in their buffers in the order given."""
-    left, right = effective_window(is_causal, NO_WINDOW)
+def _adjacent_runs(chunks, keep):
+    """Runs of consecutive chunks that satisfy ``keep`` and lie next to each other in their buffer."""
+    runs = []
+    for chunk in chunks:
+        if not keep(chunk):
+            continue
+        run = runs[-1] if runs else None
+        if run and run[-1].row + run[-1].length == chunk.row and keep(run[-1]):
+            run.append(chunk)
+        else:
+            runs.append([chunk])
+    return runs
 
-    def rows(first, end):
-        return slice(first * length, end * length)
 
-    tiles, full_runs = [], []
-    for i, q_start in enumerate(q_starts):
-        visibility = [classify(q_start, length, k_start, length, left, right) for k_start in k_starts]
-        tiles += [
-            Tile(rows(i, i + 1), rows(j, j + 1), dict(is_causal=is_causal, q_offset=q_start, k_offset=k_start))
-            for j, (k_start, v) in enumerate(zip(k_starts, visibility)) if v is Visibility.PARTIAL
-        ]
-        full_runs.append(_full_runs(visibility))
-    index = 0
-    for runs, group in itertools.groupby(full_runs):  # adjacent query chunks that see the same keys
-        count = len(list(group))
-        tiles += [Tile(rows(index, index + count), rows(first, end), {}) for first, end in runs]
-        index += count
-    return tiles
+@functools.lru_cache(maxsize=1024)
+def plan_tiles(q_chunks: tuple, k_chunks: tuple, is_causal: bool, window: tuple = NO_WINDOW) -> tuple[Tile, ...]:
+    """Tiles for the query chunks against the key chunks (``layout.Chunk``s)."""
+    left, right = effective_window(is_causal, window)
+    by_document = {}
+    for chunk in k_chunks:
+        by_document.setdefault(chunk.document, []).append(chunk)
+    tiles, full_keys = [], []
+    for q in q_chunks:
+        keys = by_document.get(q.document, [])
+        visibility = {k: classify(q.position, q.length, k.position, k.length, left, right) for k in keys}
+        tiles += [Tile(_rows([q]), _rows([k]), dict(is_causal=is_causal, window=window, q_offset=q.position,
+                                                    k_offset=k.position))
+                  for k in keys if visibility[k] is Visibility.PARTIAL]
+        runs = _adjacent_runs(keys, lambda k: visibility[k] is Visibility.FULL)
+        full_keys.append((q, tuple(_rows(run) for run in runs)))
+    # adjacent query chunks that see the same keys fully run as one call
+    for rows, group in itertools.groupby(full_keys, key=lambda item: item[1]):
+        for run in _adjacent_runs([q for q, _ in group], lambda q: True):
+            tiles += [Tile(_rows(run), k_rows, {}) for k_rows in rows]
+    return tuple(tiles)
 
 
 def attend_tiles(q, k, v, tiles, scale: float, out, lse) -> None:

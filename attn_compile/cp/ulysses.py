@@ -10,18 +10,20 @@ The gradients of the r copies of a head are summed back. The backward pass excha
 inputs again rather than keeping head-sharded copies alive between the passes.
 
 ``exchange_forward`` and ``exchange_backward`` take the attention run on the head shards, so
-the hybrid strategy reuses them around a ring.
+the hybrid strategy reuses them around a ring. Packed documents (uneven shards) are padded to
+the longest shard for the exchange; the whole batch is then attended document by document.
 """
 import math
+from typing import Optional
 
 import torch
 from torch import Tensor
 
-from attn_compile.kernels import attention_backward, attention_forward
+from attn_compile.kernels import attention_backward, attention_forward, varlen_backward, varlen_forward
 
-from .checks import check_call
+from .checks import check_call, sharding_of
 from .comm import all_to_all_stacked, resolve
-from .layout import join_shards, split_sequence
+from .documents import DocumentSharding
 from .registration import register_strategy
 
 
@@ -29,55 +31,89 @@ def kv_head_repeats(h_kv: int, cp: int) -> int:
     return cp // math.gcd(h_kv, cp)
 
 
-def to_head_shards(x, group, layout):
+def to_head_shards(x, group, sharding):
     """(B, H, S_local, ...) sequence shard -> (B, H/cp, S, ...): this rank's heads, whole sequence
     in position order (for the hybrid, the inner group's part of it)."""
     cp = group.size()
-    received = all_to_all_stacked(x.unflatten(1, (cp, -1)).movedim(1, 0), group)
-    return join_shards(received.unbind(0), layout, dim=2)
+    received = all_to_all_stacked(sharding.pad(x, 2).unflatten(1, (cp, -1)).movedim(1, 0), group)
+    return sharding.join(received.unbind(0), dim=2)
 
 
-def to_sequence_shards(x, group, layout):
+def to_sequence_shards(x, group, sharding):
     """to_head_shards undone."""
-    received = all_to_all_stacked(torch.stack(split_sequence(x, group.size(), layout, dim=2)), group)
-    return torch.cat(received.unbind(0), dim=1)
+    received = all_to_all_stacked(torch.stack(sharding.split(x, dim=2)), group)
+    return torch.cat(received.unbind(0), dim=1).narrow(2, 0, sharding.local_len(group.rank())).contiguous()
 
 
-def exchange_forward(q, k, v, group, layout, attend):
+def exchange_forward(q, k, v, group, sharding, attend):
     """(out, lse) sequence-sharded, from ``attend(q, k, v) -> (out, lse)`` run on head shards."""
     repeats = kv_head_repeats(k.shape[1], group.size())
-    q, k, v = (to_head_shards(x, group, layout) for x in (q, k.repeat_interleave(repeats, 1),
-                                                          v.repeat_interleave(repeats, 1)))
-    return tuple(to_sequence_shards(x, group, layout) for x in attend(q, k, v))
+    q, k, v = (to_head_shards(x, group, sharding) for x in (q, k.repeat_interleave(repeats, 1),
+                                                            v.repeat_interleave(repeats, 1)))
+    return tuple(to_sequence_shards(x, group, sharding) for x in attend(q, k, v))
 
 
-def exchange_backward(dout, q, k, v, out, lse, group, layout, attend_backward):
+def exchange_backward(dout, q, k, v, out, lse, group, sharding, attend_backward):
     """(dq, dk, dv) sequence-sharded, from ``attend_backward(dout, q, k, v, out, lse)`` run on head shards."""
     repeats = kv_head_repeats(k.shape[1], group.size())
     inputs = (dout, q, k.repeat_interleave(repeats, 1), v.repeat_interleave(repeats, 1), out, lse)
-    dq, dk, dv = (to_sequence_shards(g, group, layout)
-                  for g in attend_backward(*(to_head_shards(x, group, layout) for x in inputs)))
+    dq, dk, dv = (to_sequence_shards(g, group, sharding)
+                  for g in attend_backward(*(to_head_shards(x, group, sharding) for x in inputs)))
     return dq, dk.unflatten(1, (-1, repeats)).sum(2), dv.unflatten(1, (-1, repeats)).sum(2)
 
 
-@torch.library.custom_op("attn_cp::ulysses_attention", mutates_args=())
-def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group_name: str, scale: float, is_causal: bool,
-                      layout: str) -> tuple[Tensor, Tensor]:
-    (group,) = groups = resolve([group_name])
-    check_call(q, k, v, groups, strategy="ulysses", scale=scale, is_causal=is_causal, layout=layout,
-               head_split=group.size())
-    return exchange_forward(q, k, v, group, layout,
-                            lambda *qkv: attention_forward(*qkv, scale=scale, is_causal=is_causal))
+def _packed(x):
+    """(1, H, T, ...) -> (T, H, ...): the whole batch of packed documents as the varlen kernels take it."""
+    return x[0].transpose(0, 1)
 
+
+def _unpacked(x):
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+def whole_sequence_attention(sharding, scale, is_causal, window):
+    """(forward, backward) of attention over the whole sequence, or whole batch of documents."""
+    masking = dict(scale=scale, is_causal=is_causal, window=window)
+    if not isinstance(sharding, DocumentSharding):
+        return (lambda *qkv: attention_forward(*qkv, **masking),
+                lambda *args: attention_backward(*args, **masking))
+    documents = (torch.tensor(sharding.cu_seqlens, dtype=torch.int32), sharding.max_seqlen)
+
+    def forward(q, k, v):
+        cu = documents[0].to(q.device)
+        out, lse = varlen_forward(*map(_packed, (q, k, v)), cu, cu, documents[1], documents[1], **masking)
+        return _unpacked(out), _unpacked(lse)
+
+    def backward(dout, q, k, v, out, lse):
+        cu = documents[0].to(q.device)
+        grads = varlen_backward(*map(_packed, (dout, q, k, v, out, lse)), cu, cu, documents[1], documents[1],
+                                **masking)
+        return tuple(map(_unpacked, grads))
+
+    return forward, backward
+
+
+@torch.library.custom_op("attn_cp::ulysses_attention", mutates_args=())
+def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group_name: str, scale: float, is_causal: bool, layout: str,
+                      window_left: int = -1, window_right: int = -1, cu_seqlens: Optional[Tensor] = None,
+                      max_seqlen: int = 0) -> tuple[Tensor, Tensor]:
+    (group,) = groups = resolve([group_name])
+    window = (window_left, window_right)
+    sharding = check_call(q, k, v, groups, strategy="ulysses", scale=scale, is_causal=is_causal, layout=layout,
+                          window=window, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, head_split=group.size())
+    forward, _ = whole_sequence_attention(sharding, scale, is_causal, window)
+    return exchange_forward(q, k, v, group, sharding, forward)
 
 
 @torch.library.custom_op("attn_cp::ulysses_attention_backward", mutates_args=())
 def ulysses_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                               group_name: str, scale: float, is_causal: bool, layout: str
+                               group_name: str, scale: float, is_causal: bool, layout: str, window_left: int = -1,
+                               window_right: int = -1, cu_seqlens: Optional[Tensor] = None, max_seqlen: int = 0
                                ) -> tuple[Tensor, Tensor, Tensor]:
-    (group,) = resolve([group_name])
-    return exchange_backward(dout, q, k, v, out, lse, group, layout,
-                             lambda *args: attention_backward(*args, scale=scale, is_causal=is_causal))
+    (group,) = groups = resolve([group_name])
+    sharding = sharding_of(q, groups, layout, cu_seqlens)
+    _, backward = whole_sequence_attention(sharding, scale, is_causal, (window_left, window_right))
+    return exchange_backward(dout, q, k, v, out, lse, group, sharding, backward)
 
 
 register_strategy(ulysses_attention, ulysses_attention_backward)

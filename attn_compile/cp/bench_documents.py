@@ -1,0 +1,133 @@
+"""Packed documents and sliding windows under context parallelism: the ``--documents`` part of
+``torchrun --nproc-per-node N -m attn_compile.bench cp``.
+
+``check``: bf16 ``varlen_attention`` under every strategy against float32 on one GPU (the local
+op on the whole batch), for windows (1024, 0), (1024, 1024) and (-1, -1), causal and full,
+GQA + MLA heads, on mixed document lengths including 1 and ones shorter than 2·cp.
+
+``benchmark``: 128K tokens of mixed document lengths, causal GQA 32/8 d128, per-GPU TFLOP/s of
+each strategy with a window of 4096 (flash-attn's left window), beside the same without a window,
+the same with every document padded to a multiple of 2·cp (what TransformerEngine requires), and
+the single-GPU op on the whole batch. FLOPs count only the visible (query, key) pairs.
+"""
+import itertools
+import random
+
+import torch
+import torch.distributed as dist
+
+from attn_compile.varlen import varlen_attention
+
+from .bench import CHECK_TOLERANCE, DEVICE, _collective_median_ms, _fwd_and_bwd, _rel_err
+from .documents import shard_varlen, unshard_varlen
+
+HEADS = (32, 8, 128, 128)  # GQA 32/8 d128
+CHECK_HEADS = (16, 2, 192, 128)  # GQA + MLA
+STRATEGIES = ("ring", "allgather", "ulysses")
+
+
+def mixed_lengths(total: int, seed: int, shortest: int = 512, longest: int = 32768, tiny=()) -> list[int]:
+    """Document lengths log-uniform in [shortest, longest], plus ``tiny`` ones, summing to ``total``."""
+    rng = random.Random(seed)
+    lengths = list(tiny)
+    while sum(lengths) < total:
+        lengths.append(min(int(shortest * (longest / shortest) ** rng.random()), total - sum(lengths)))
+    rng.shuffle(lengths)
+    return lengths
+
+
+def _cu(lengths):
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=DEVICE)
+
+
+def visible_pairs(length: int, is_causal: bool, window) -> int:
+    left, right = window
+    left = length if left < 0 else left
+    right = 0 if is_causal else (length if right < 0 else right)
+    return sum(min(i, left) + 1 + min(length - 1 - i, right) for i in range(length))
+
+
+def _inputs(total, heads, dtype, requires_grad=False):
+    h_q, h_kv, d_qk, d_v = heads
+    return [torch.randn(total, h, d, device=DEVICE, dtype=dtype, requires_grad=requires_grad)
+            for h, d in ((h_q, d_qk), (h_kv, d_qk), (h_kv, d_v))]
+
+
+def check(world: int) -> int:
+    """Returns the number of failed cases."""
+    group = dist.group.WORLD
+    lengths = mixed_lengths(16384, seed=0, shortest=64, longest=4096, tiny=(1, 2 * world - 1, 1))
+    cu, longest = _cu(lengths), max(lengths)
+    lines = [f"check: bf16 varlen_attention under CP vs float32 on one GPU, {len(lengths)} documents, "
+             f"{sum(lengths)} tokens; relative error (tolerance {CHECK_TOLERANCE})",
+             f"  {'strategy':10s} {'window':>12s} {'causal':>6s} {'out':>9s} {'dq':>9s} {'dk':>9s} {'dv':>9s}"]
+    failures = 0
+    for window, is_causal in itertools.product(((1024, 0), (1024, 1024), (-1, -1)), (True, False)):
+        torch.manual_seed(0)  # the same global inputs on every rank
+        q, k, v = _inputs(sum(lengths), CHECK_HEADS, torch.float32, requires_grad=True)
+        masking = dict(is_causal=is_causal, window=window)
+        out = varlen_attention(q, k, v, cu, cu, longest, longest, **masking)
+        dout = torch.randn_like(out)
+        want = (out, *torch.autograd.grad(out, (q, k, v), dout))
+        for strategy in STRATEGIES:
+            local = [shard_varlen(x.detach().bfloat16(), cu, group)[0].requires_grad_() for x in (q, k, v)]
+            out_local = varlen_attention(*local, cu, cu, longest, longest, group=group, strategy=strategy, **masking)
+            grads = torch.autograd.grad(out_local, local, shard_varlen(dout.bfloat16(), cu, group)[0])
+            errors = [_rel_err(unshard_varlen(x.detach(), cu, group), w) for x, w in zip((out_local, *grads), want)]
+            ok = max(errors) <= CHECK_TOLERANCE
+            failures += not ok
+            lines.append(f"  {strategy:10s} {str(window):>12s} {str(is_causal):>6s} "
+                         + " ".join(f"{e:9.2e}" for e in errors) + ("" if ok else "  FAIL"))
+    if dist.get_rank() == 0:
+        print("\n".join(lines), flush=True)
+    return failures
+
+
+def _tflops_per_gpu(lengths, window, ms_pair, gpus):
+    h_q, _, d_qk, d_v = HEADS
+    pairs = sum(visible_pairs(n, True, window) for n in lengths)
+    flops = [2 * h_q * pairs * (d_qk + d_v) * factor for factor in (1.0, 3.5)]
+    return [f / gpus / 1e9 / ms for f, ms in zip(flops, ms_pair)]
+
+
+def _local_ms(lengths, window):
+    from triton.testing import do_bench
+
+    cu, longest = _cu(lengths), max(lengths)
+    q, k, v = _inputs(sum(lengths), HEADS, torch.bfloat16, requires_grad=True)
+    fwd, fwd_bwd = _fwd_and_bwd(lambda q, k, v: varlen_attention(q, k, v, cu, cu, longest, longest, is_causal=True,
+                                                                window=window), q, k, v)
+    return do_bench(fwd, return_mode="median"), do_bench(fwd_bwd, return_mode="median")
+
+
+def _cp_ms(lengths, window, strategy):
+    group = dist.group.WORLD
+    cu, longest = _cu(lengths), max(lengths)
+    local = [shard_varlen(x, cu, group)[0].detach().requires_grad_()
+             for x in _inputs(sum(lengths), HEADS, torch.bfloat16)]
+    fwd, fwd_bwd = _fwd_and_bwd(lambda q, k, v: varlen_attention(
+        q, k, v, cu, cu, longest, longest, is_causal=True, window=window, group=group, strategy=strategy), *local)
+    return _collective_median_ms(fwd), _collective_median_ms(fwd_bwd)
+
+
+def benchmark(world: int, total: int = 131072, window=(4096, 0)) -> None:
+    lengths = mixed_lengths(total, seed=0)
+    padded = [-(-n // (2 * world)) * 2 * world for n in lengths]
+    lines = [f"packed documents under CP, {world}x {torch.cuda.get_device_name()}, bf16, causal GQA 32/8 d128, "
+             f"{len(lengths)} documents of {min(lengths)}..{max(lengths)} tokens, {total} in all "
+             f"({sum(padded) - total} more when padded to multiples of 2·cp). TFLOP/s per GPU of visible pairs, "
+             "fwd / fwd+bwd, and ratio to the single-GPU op on the whole batch",
+             f"  {'strategy':17s} {'window':>10s} {'fwd':>7s} {'fwd+bwd':>8s}   {'vs local':>12s}   {'ms fwd+bwd':>10s}"]
+    for case_window in (window, (-1, -1)):
+        local = _tflops_per_gpu(lengths, case_window, _local_ms(lengths, case_window), 1)
+        lines.append(f"  {'local':17s} {str(case_window):>10s} {local[0]:7.0f} {local[1]:8.0f}")
+        for strategy, pad in itertools.product(STRATEGIES, (False, True)):
+            if pad and case_window != window:
+                continue
+            ms = _cp_ms(padded if pad else lengths, case_window, strategy)
+            tflops = _tflops_per_gpu(lengths, case_window, ms, world)  # padding is overhead, not work
+            name = f"{strategy}{' padded' if pad else ''}"
+            lines.append(f"  {name:17s} {str(case_window):>10s} {tflops[0]:7.0f} {tflops[1]:8.0f}   "
+                         f"{tflops[0] / local[0]:5.2f} / {tflops[1] / local[1]:4.2f}   {ms[1]:10.2f}")
+    if dist.get_rank() == 0:
+        print("\n".join(lines), flush=True)

@@ -1,0 +1,172 @@
+"""Packed documents (THD) sharded for context parallelism.
+
+Every document is cut into 2·cp chunks (``layout="zigzag"``; cp chunks for "contiguous") whose
+sizes differ by at most one, and rank r holds chunks r and 2cp-1-r of each document, documents
+in order. A document shorter than 2·cp leaves some chunks empty: no document length is ever
+refused and no padding token is ever seen by the caller. Ranks may then hold different numbers
+of tokens; the collectives move shards padded at the end to the longest one (``shard_len``),
+and no chunk covers a padding row, so padding is never attended and gets no gradient.
+"""
+import functools
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from .comm import all_gather_stacked, cp_rank, cp_size, process_groups
+from .layout import Chunk, check_layout, chunk_ids, chunks_per_rank
+
+
+def chunk_bounds(length: int, pieces: int) -> list[int]:
+    """Start of each of ``pieces`` chunks of a document and its end, as ``torch.tensor_split`` cuts."""
+    base, extra = divmod(length, pieces)
+    return [i * base + min(i, extra) for i in range(pieces + 1)]
+
+
+@dataclass(frozen=True)
+class DocumentSharding:
+    cu_seqlens: tuple  # the whole batch's cumulative document lengths, starting at 0
+    cp: int
+    layout: str
+
+    @functools.cached_property
+    def _ranks(self) -> list[tuple[list[Chunk], list[tuple[int, int]]]]:
+        """Per rank: its chunks, and the (start, end) token ranges of the whole batch it holds."""
+        pieces = self.cp * chunks_per_rank(self.layout)
+        ranks = [([], []) for _ in range(self.cp)]
+        for document, (start, end) in enumerate(itertools.pairwise(self.cu_seqlens)):
+            bounds = chunk_bounds(end - start, pieces)
+            for rank, (chunks, ranges) in enumerate(ranks):
+                for piece in chunk_ids(rank, self.cp, self.layout):
+                    lo, hi = bounds[piece], bounds[piece + 1]
+                    if hi > lo:
+                        row = sum(b - a for a, b in ranges)
+                        chunks.append(Chunk(row, lo, hi - lo, document))
+                        ranges.append((start + lo, start + hi))
+        return ranks
+
+    def local_len(self, rank: int) -> int:
+        return sum(end - start for start, end in self._ranks[rank][1])
+
+    @functools.cached_property
+    def shard_len(self) -> int:
+        return max(self.local_len(rank) for rank in range(self.cp))
+
+    @functools.cached_property
+    def max_seqlen(self) -> int:
+        return max(b - a for a, b in itertools.pairwise(self.cu_seqlens))
+
+    def chunks(self, rank: int) -> tuple[Chunk, ...]:
+        return tuple(self._ranks[rank][0])
+
+    def whole_chunks(self) -> tuple[Chunk, ...]:
+        """The whole batch (``join``'s result), one chunk per document."""
+        return tuple(Chunk(start, 0, end - start, document)
+                     for document, (start, end) in enumerate(itertools.pairwise(self.cu_seqlens)) if end > start)
+
+    def local_cu_seqlens(self, rank: int) -> list[int]:
+        """Cumulative lengths of the documents' parts on rank (a document's two chunks are one part)."""
+        lengths = [0] * (len(self.cu_seqlens) - 1)
+        for chunk in self._ranks[rank][0]:
+            lengths[chunk.document] += chunk.length
+        return [0, *itertools.accumulate(lengths)]
+
+    @functools.cached_property
+    def _indices(self) -> list[torch.Tensor]:
+        """Per rank, the batch's rows it holds, in shard order."""
+        return [torch.cat([torch.arange(a, b) for a, b in ranges]) if ranges else torch.zeros(0, dtype=torch.long)
+                for _, ranges in self._ranks]
+
+    @functools.cached_property
+    def _whole_rows(self) -> torch.Tensor:
+        """For each row of the batch, its row in the rank-major concatenation of the padded shards."""
+        rows = torch.empty(self.cu_seqlens[-1], dtype=torch.long)
+        for rank, index in enumerate(self._indices):
+            rows[index] = rank * self.shard_len + torch.arange(len(index))
+        return rows
+
+    def pad(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        missing = self.shard_len - x.shape[dim]
+        if missing == 0:
+            return x
+        return torch.cat([x, x.new_zeros((*x.shape[:dim], missing, *x.shape[dim + 1:]))], dim)
+
+    def take(self, x: torch.Tensor, rank: int, dim: int) -> torch.Tensor:
+        return x.index_select(dim, self._indices[rank].to(x.device))
+
+    def split(self, x: torch.Tensor, dim: int) -> list[torch.Tensor]:
+        return [self.pad(self.take(x, rank, dim), dim) for rank in range(self.cp)]
+
+    def join(self, shards, dim: int) -> torch.Tensor:
+        return torch.cat(list(shards), dim).index_select(dim, self._whole_rows.to(shards[0].device))
+
+
+@functools.lru_cache(maxsize=64)
+def document_sharding(cu_seqlens: tuple, cp: int, layout: str) -> DocumentSharding:
+    return DocumentSharding(cu_seqlens, cp, layout)
+
+
+def check_cu_seqlens(name: str, cu_seqlens: torch.Tensor) -> None:
+    """What can be checked without reading the values (no device sync)."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 \
+            or cu_seqlens.numel() < 2:
+        got = f"{cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}" if isinstance(cu_seqlens, torch.Tensor) \
+            else type(cu_seqlens).__name__
+        raise ValueError(f"{name} must be a 1-D int32 tensor of (documents + 1) cumulative lengths starting at 0; "
+                         f"got {got}")
+
+
+def cu_seqlens_error(name: str, values: list, total: int, total_name: str, max_seqlen=None, max_name=""):
+    """Why the cumulative lengths ``values`` cannot describe ``total`` packed tokens (named
+    ``total_name``) with no document longer than ``max_seqlen`` (named ``max_name``), or None."""
+    if values[0] != 0:
+        return f"{name} must start at 0; got {values[0]}"
+    decrease = next((i for i in range(1, len(values)) if values[i] < values[i - 1]), None)
+    if decrease is not None:
+        return (f"{name} must be non-decreasing (cumulative document lengths); got {values[decrease - 1]} then "
+                f"{values[decrease]} at index {decrease}")
+    if values[-1] != total:
+        return f"{name} must end at the token count {total_name} = {total}; got {values[-1]}"
+    longest = max(b - a for a, b in itertools.pairwise(values))
+    if max_seqlen is not None and max_seqlen < longest:
+        return f"{max_name} must be at least the longest document in {name}, {longest} tokens; got {max_seqlen}"
+    return None
+
+
+def _sharding(cu_seqlens, groups, layout, total=None) -> DocumentSharding:
+    """``total``: the token count of x (x.shape[0]), where the whole batch is at hand."""
+    check_layout(layout)
+    check_cu_seqlens("cu_seqlens", cu_seqlens)
+    values = cu_seqlens.tolist()
+    error = cu_seqlens_error("cu_seqlens", values, values[-1] if total is None else total, "x.shape[0]")
+    if error:
+        raise ValueError(error)
+    return document_sharding(tuple(values), cp_size(groups), layout)
+
+
+def shard_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, group, layout: str = "zigzag"):
+    """(x_local, cu_seqlens_local): this rank's tokens of the packed batch ``x`` (total, ...) and the
+    cumulative lengths of its part of each document (no communication; differentiable).
+
+    A document's two chunks are adjacent in x_local; cu_seqlens_local is int32, on x's device."""
+    groups = process_groups(group)
+    sharding = _sharding(cu_seqlens, groups, layout, total=x.shape[0])
+    rank = cp_rank(groups)
+    local_cu = torch.tensor(sharding.local_cu_seqlens(rank), dtype=torch.int32, device=x.device)
+    return sharding.take(x, rank, 0), local_cu
+
+
+def unshard_varlen(x_local: torch.Tensor, cu_seqlens: torch.Tensor, group, layout: str = "zigzag") -> torch.Tensor:
+    """The whole packed batch (total, ...), on every rank, from each rank's ``shard_varlen`` tokens.
+
+    It all-gathers and is not differentiable: pass a tensor that does not require grad."""
+    if x_local.requires_grad and torch.is_grad_enabled():
+        raise ValueError("x_local requires grad, but unshard_varlen is not differentiable; "
+                         "pass x_local.detach() or call it under torch.no_grad()")
+    groups = process_groups(group)
+    sharding = _sharding(cu_seqlens, groups, layout)
+    expected = sharding.local_len(cp_rank(groups))
+    if x_local.shape[0] != expected:
+        raise ValueError(f"x_local.shape[0] must be this rank's token count from cu_seqlens (shard_varlen's output), "
+                         f"{expected}; got {x_local.shape[0]}")
+    return sharding.join(all_gather_stacked(sharding.pad(x_local, 0), groups).unbind(0), 0)

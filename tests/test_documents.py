@@ -1,0 +1,171 @@
+"""Packed documents sharded for context parallelism: DocumentSharding, shard_varlen / unshard_varlen,
+and the tiles planned over document chunks."""
+import itertools
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from attn_compile import shard_varlen, unshard_varlen
+from attn_compile.cp.documents import DocumentSharding, chunk_bounds
+from attn_compile.cp.tiles import plan_tiles
+from attn_compile.kernels.visibility import effective_window, visible
+from dist_harness import run_distributed
+
+LAYOUTS = ("zigzag", "contiguous")
+
+
+def _cu(lengths) -> tuple:
+    return (0, *itertools.accumulate(lengths))
+
+
+def _random_lengths(cp, seed):
+    """Shuffled document lengths: 0, 1, shorter than 2·cp (some chunks empty) and longer."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = [0, 1, 0, *torch.randint(1, 2 * cp, (2,), generator=generator).tolist(),
+               *torch.randint(2 * cp, 6 * cp + 3, (3,), generator=generator).tolist()]
+    return [lengths[i] for i in torch.randperm(len(lengths), generator=generator)]
+
+
+def _documents_and_positions(cu):
+    """For every token of the batch, its document and its position in that document."""
+    lengths = torch.tensor(cu).diff()
+    document = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    return document, torch.arange(cu[-1]) - torch.tensor(cu)[document]
+
+
+def _held(sharding):
+    """Per rank, the batch tokens it holds, in shard order."""
+    return [sharding.take(torch.arange(sharding.cu_seqlens[-1]), rank, 0) for rank in range(sharding.cp)]
+
+
+def _check_chunks(chunks, tokens, cu):
+    """The chunks tile rows 0..len(tokens) in order and name each row's document and position."""
+    document, position = _documents_and_positions(cu)
+    assert [c.row for c in chunks] == list(itertools.accumulate([0, *(c.length for c in chunks)]))[:-1]
+    assert sum(c.length for c in chunks) == len(tokens)
+    for c in chunks:
+        rows = tokens[c.row:c.row + c.length]
+        assert torch.equal(document[rows], torch.full((c.length,), c.document))
+        assert torch.equal(position[rows], torch.arange(c.position, c.position + c.length))
+
+
+def test_chunk_bounds_cut_as_tensor_split():
+    for length, pieces in itertools.product(range(10), range(1, 9)):
+        sizes = [len(piece) for piece in torch.arange(length).tensor_split(pieces)]
+        bounds = chunk_bounds(length, pieces)
+        assert bounds[0] == 0 and [b - a for a, b in itertools.pairwise(bounds)] == sizes
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_document_sharding(cp, layout):
+    for seed in range(3):
+        cu = _cu(_random_lengths(cp, seed))
+        sharding = DocumentSharding(cu, cp, layout)
+        document, _ = _documents_and_positions(cu)
+        held = _held(sharding)
+        assert torch.equal(torch.cat(held).sort().values, torch.arange(cu[-1]))  # each token on exactly one rank
+        assert [sharding.local_len(rank) for rank in range(cp)] == [len(tokens) for tokens in held]
+        assert sharding.shard_len == max(len(tokens) for tokens in held)
+        for rank, tokens in enumerate(held):
+            _check_chunks(sharding.chunks(rank), tokens, cu)
+            assert (document[tokens].diff() >= 0).all(), "documents in order, a document's chunks adjacent"
+            counts = torch.bincount(document[tokens], minlength=len(cu) - 1).tolist()
+            assert sharding.local_cu_seqlens(rank) == list(_cu(counts))
+        _check_chunks(sharding.whole_chunks(), torch.arange(cu[-1]), cu)
+        for dim in (0, 1):
+            x = torch.randn(2, cu[-1], 3).movedim(1, dim)
+            shards = sharding.split(x, dim)
+            for tokens, shard in zip(held, shards):
+                assert shard.shape[dim] == sharding.shard_len
+                real, padding = shard.split([len(tokens), sharding.shard_len - len(tokens)], dim)
+                assert torch.equal(real, x.index_select(dim, tokens)) and not padding.any()
+            assert torch.equal(sharding.join(shards, dim), x)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_zigzag_rank_holds_chunks_r_and_mirror(cp):
+    """Documents of a multiple of 2·cp tokens, between others, are cut into equal chunks r and 2cp-1-r."""
+    lengths = [2 * cp * 3, 5, 2 * cp, 0, 1, 2 * cp * 2]
+    cu = _cu(lengths)
+    document, position = _documents_and_positions(cu)
+    for rank, tokens in enumerate(_held(DocumentSharding(cu, cp, "zigzag"))):
+        for d in (0, 2, 5):
+            size = lengths[d] // (2 * cp)
+            want = torch.cat([torch.arange(chunk * size, (chunk + 1) * size) for chunk in (rank, 2 * cp - 1 - rank)])
+            assert torch.equal(position[tokens][document[tokens] == d], want)
+
+
+def _packs(world):
+    """Token counts of packed batches: tiny documents (some ranks hold no token) and random ones."""
+    return [[1, 0, 1, 2], [0, 3, 1], *(_random_lengths(world, seed) for seed in range(3))]
+
+
+def _check_shard_and_unshard(rank, world):
+    groups = [dist.group.WORLD] + ([init_device_mesh("cpu", (2, 2))] if world == 4 else [])
+    generator = torch.Generator().manual_seed(0)  # the same batches on every rank
+    for group, layout, lengths in itertools.product(groups, LAYOUTS, _packs(world)):
+        cu = torch.tensor(_cu(lengths), dtype=torch.int32)
+        sharding = DocumentSharding(_cu(lengths), world, layout)
+        x = torch.randn(cu[-1], 2, 3, generator=generator, requires_grad=True)
+        local, local_cu = shard_varlen(x, cu, group, layout)
+        tokens = _held(sharding)[rank]
+        assert torch.equal(local, x[tokens])
+        assert local_cu.dtype == torch.int32 and local_cu.tolist() == sharding.local_cu_seqlens(rank)
+        assert torch.equal(unshard_varlen(local.detach(), cu, group, layout), x)
+        weight = torch.randn(local.shape)
+        (local * weight).sum().backward()
+        assert torch.equal(x.grad, torch.zeros_like(x).index_copy(0, tokens, weight))
+
+        with pytest.raises(ValueError, match="^" + re.escape(
+                "x_local requires grad, but unshard_varlen is not differentiable; pass x_local.detach() or call "
+                "it under torch.no_grad()") + "$"):
+            unshard_varlen(local, cu, group, layout)
+        with pytest.raises(ValueError, match="^" + re.escape(
+                "x_local.shape[0] must be this rank's token count from cu_seqlens (shard_varlen's output), "
+                f"{len(tokens)}; got {len(tokens) + 1}") + "$"):
+            unshard_varlen(torch.cat([local.detach(), local.new_zeros(1, 2, 3)]), cu, group, layout)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_shard_and_unshard_varlen(world):
+    run_distributed(_check_shard_and_unshard, world)
+
+
+def _covered(tiles, q_tokens, k_tokens, total):
+    """How many times the tiles compute each (query, key) pair of batch tokens; masked tiles see the
+    pairs their offsets make visible, as the kernels do."""
+    count = torch.zeros(total, total, dtype=torch.long)
+    for tile in tiles:
+        q, k = q_tokens[tile.q_rows], k_tokens[tile.k_rows]
+        seen = torch.ones(len(q), len(k), dtype=torch.bool)
+        if tile.masking:
+            mask = tile.masking
+            seen = visible(torch.arange(len(q)) + mask["q_offset"], torch.arange(len(k)) + mask["k_offset"],
+                           *effective_window(mask["is_causal"], mask["window"]))
+        count[q[:, None], k[None, :]] += seen.long()
+    return count
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (3, 0), (2, 2)])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_tiles_compute_every_visible_pair_of_a_document_once(cp, is_causal, layout, window):
+    cu = _cu(_random_lengths(cp, seed=cp))
+    sharding = DocumentSharding(cu, cp, layout)
+    document, position = _documents_and_positions(cu)
+    want = ((document[:, None] == document[None, :])
+            & visible(position, position, *effective_window(is_causal, window))).long()
+    held, total = _held(sharding), cu[-1]
+    for q_rank, q_tokens in enumerate(held):
+        q_chunks = sharding.chunks(q_rank)
+        ring = sum(_covered(plan_tiles(q_chunks, sharding.chunks(k_rank), is_causal, window), q_tokens, k_tokens,
+                            total) for k_rank, k_tokens in enumerate(held))
+        whole = _covered(plan_tiles(q_chunks, sharding.whole_chunks(), is_causal, window), q_tokens,
+                         torch.arange(total), total)
+        assert torch.equal(ring[q_tokens], want[q_tokens])
+        assert torch.equal(whole[q_tokens], want[q_tokens])
