@@ -117,7 +117,8 @@ def benchmark(world: int, total: int = 131072, window=(4096, 0)) -> None:
              f"{len(lengths)} documents of {min(lengths)}..{max(lengths)} tokens, {total} in all "
              f"({sum(padded) - total} more when padded to multiples of 2·cp). TFLOP/s per GPU of visible pairs, "
              "fwd / fwd+bwd, and ratio to the single-GPU op on the whole batch",
-             f"  {'strategy':17s} {'window':>10s} {'fwd':>7s} {'fwd+bwd':>8s}   {'vs local':>12s}   {'ms fwd+bwd':>10s}"]
+             f"  {'strategy':17s} {'window':>10s} {'fwd':>7s} {'fwd+bwd':>8s}   {'vs local':>12s}   "
+             f"{'ms fwd+bwd':>10s}"]
     for case_window in (window, (-1, -1)):
         local = _tflops_per_gpu(lengths, case_window, _local_ms(lengths, case_window), 1)
         lines.append(f"  {'local':17s} {str(case_window):>10s} {local[0]:7.0f} {local[1]:8.0f}")

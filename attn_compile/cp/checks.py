@@ -51,15 +51,15 @@ def sharding_of(q, groups, layout: str, cu_seqlens=None):
     return document_sharding(tuple(cu_seqlens.tolist()), cp_size(groups), layout)
 
 
-def _documents_error(q, groups, layout, cu_seqlens, max_seqlen):
-    """Why packed shards q cannot be the shards of the documents ``cu_seqlens`` describes, or None."""
+def _documents_error(q, groups, layout, cu_seqlens, values, max_seqlen):
+    """Why packed shards q cannot be the shards of the documents ``cu_seqlens`` (whose ``values``
+    are given) describes, or None."""
     try:
         check_cu_seqlens("cu_seqlens", cu_seqlens)
     except ValueError as error:
         return str(error)
     if q.shape[0] != 1:
         return f"packed documents come as one batch entry: q.shape[0] must be 1; got {q.shape[0]}"
-    values = cu_seqlens.tolist()
     error = cu_seqlens_error("cu_seqlens", values, values[-1], "", max_seqlen, "max_seqlen")
     if error:
         return error
@@ -94,9 +94,10 @@ def check_call(q, k, v, groups, *, strategy: str, scale: float, is_causal: bool,
     if packed:
         values = cu_seqlens.tolist()
         options["cu_seqlens"] = f"{len(values) - 1} documents, crc {zlib.crc32(str(values).encode()):08x}"
-        options["problem"] = _documents_error(q, groups, layout, cu_seqlens, max_seqlen)
+        options["problem"] = _documents_error(q, groups, layout, cu_seqlens, values, max_seqlen)
     check_same_on_all_ranks(groups, q, k, v, packed, **options)
     if packed and options["problem"]:
         raise ValueError(options["problem"])
-    check_inputs(q, k, v, groups, layout=layout, window=tuple(window), head_split=head_split, strategy=strategy, packed=packed)
+    check_inputs(q, k, v, groups, layout=layout, window=tuple(window), head_split=head_split, strategy=strategy,
+                 packed=packed)
     return sharding_of(q, groups, layout, cu_seqlens)

@@ -34,19 +34,20 @@ class DocumentSharding:
         """Per rank: its chunks, and the (start, end) token ranges of the whole batch it holds."""
         pieces = self.cp * chunks_per_rank(self.layout)
         ranks = [([], []) for _ in range(self.cp)]
+        rows = [0] * self.cp
         for document, (start, end) in enumerate(itertools.pairwise(self.cu_seqlens)):
             bounds = chunk_bounds(end - start, pieces)
             for rank, (chunks, ranges) in enumerate(ranks):
                 for piece in chunk_ids(rank, self.cp, self.layout):
                     lo, hi = bounds[piece], bounds[piece + 1]
                     if hi > lo:
-                        row = sum(b - a for a, b in ranges)
-                        chunks.append(Chunk(row, lo, hi - lo, document))
+                        chunks.append(Chunk(rows[rank], lo, hi - lo, document))
                         ranges.append((start + lo, start + hi))
+                        rows[rank] += hi - lo
         return ranks
 
     def local_len(self, rank: int) -> int:
-        return sum(end - start for start, end in self._ranks[rank][1])
+        return sum(chunk.length for chunk in self._ranks[rank][0])
 
     @functools.cached_property
     def shard_len(self) -> int:
