@@ -11,14 +11,16 @@ j <= i), ``window=(left, right)`` (i-left <= j <= i+right, -1 unbounded), ``attn
 True = visible, or additive), ``key_padding_mask`` ((B, S_k) bool, True = a real key), and the
 global positions ``q_offset + i`` / ``k_offset + j``. All that apply are ANDed.
 """
+import torch
+
 from . import reference
 from .aten import Cudnn, Efficient, Flash, FlashVarlen
 from .problem import Problem
 
 try:
-    from .triton_attention import Triton, TritonVarlen
+    from .triton_attention import Triton, TritonVarlen, merge_forward
 except ImportError:  # triton is a Linux-only dependency
-    Triton = TritonVarlen = None
+    Triton = TritonVarlen = merge_forward = None
 
 FUSED = tuple(kernel for kernel in (Cudnn, Triton, Flash, Efficient) if kernel is not None)
 FUSED_VARLEN = tuple(kernel for kernel in (TritonVarlen, FlashVarlen) if kernel is not None)
@@ -77,3 +79,14 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
     backward = kernel.backward if kernel else reference.varlen_backward
     return backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=scale,
                     **masking)
+
+
+def merge_into(out, lse, part_out, part_lse) -> None:
+    """In place: the running (out, lse) becomes the attention over its keys and part's. One fused
+    Triton kernel for float32 results on CUDA, else the reference (float64 results, the CPU)."""
+    fused = (merge_forward is not None and out.is_cuda and out.dtype == lse.dtype == torch.float32
+             and torch.cuda.get_device_capability(out.device) >= (8, 0))
+    if fused:
+        merge_forward(out, lse, part_out, part_lse, out=out, lse=lse)
+    else:
+        reference.merge_into(out, lse, part_out, part_lse)

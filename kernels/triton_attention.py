@@ -11,7 +11,7 @@ of triton_forward.py, triton_backward.py and triton_merge.py.
 - ``varlen_forward`` / ``varlen_backward``: packed (total, H, D) documents with int32
   cumulative lengths starting at 0. Each document starts at position 0 in q and in k (causal
   is top-left aligned, as in SDPA). The LSE is (total_q, H), lined up with out.
-- ``merge_forward``: one (out, lse) pair from two over disjoint key sets.
+- ``merge_forward``: one (out, lse) pair from two over disjoint key sets, or a running pair updated in place.
 - ``Triton``: the kernels as dispatch.py sees a kernel.
 
 Rows that see no key give output 0, LSE -inf and zero gradients. float32 inputs use TF32 dots
@@ -191,20 +191,26 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
     return dq, dk, dv
 
 
-def merge_forward(out_a, lse_a, out_b, lse_b):
+def merge_forward(out_a, lse_a, out_b, lse_b, *, out=None, lse=None):
     """(out, lse) of attention over the union of two disjoint key sets, from each set's result.
-    Each lse is shaped like its out without the last dim ((B, H, S) or, varlen, (total, H));
-    out comes in the promoted dtype of the two, lse in float32."""
+    Each lse is shaped like its out without the last dim ((B, H, S) or, varlen, (total, H)).
+    Written into ``out`` and ``lse`` when given (they may be out_a and lse_a: a running result);
+    else out comes in the promoted dtype of the two, lse in float32."""
     if out_b.shape != out_a.shape or not 2 <= out_a.dim() <= 4:
         raise ValueError(f"out_b: shape {tuple(out_b.shape)}; expected out_a's {tuple(out_a.shape)}, 2 to 4 dims")
-    for name, lse in (("lse_a", lse_a), ("lse_b", lse_b)):
-        if lse.shape != out_a.shape[:-1]:
-            raise ValueError(f"{name}: shape {tuple(lse.shape)}; expected {tuple(out_a.shape[:-1])}")
+    for name, x in (("lse_a", lse_a), ("lse_b", lse_b), ("lse", lse)):
+        if x is not None and x.shape != out_a.shape[:-1]:
+            raise ValueError(f"{name}: shape {tuple(x.shape)}; expected {tuple(out_a.shape[:-1])}")
+    if out is not None and (out.shape != out_a.shape or out.stride(-1) != 1):
+        raise ValueError(f"out: shape {tuple(out.shape)} with last stride {out.stride(-1)}; expected "
+                         f"{tuple(out_a.shape)} with last stride 1")
     out_a, out_b = _unit_last(out_a, out_b)
-    out = torch.empty_like(out_a, dtype=torch.promote_types(out_a.dtype, out_b.dtype))
-    lse = torch.empty(lse_a.shape, dtype=torch.float32, device=lse_a.device)
+    if out is None:
+        out = torch.empty_like(out_a, dtype=torch.promote_types(out_a.dtype, out_b.dtype))
+    if lse is None:
+        lse = torch.empty(lse_a.shape, dtype=torch.float32, device=lse_a.device)
     leading = (None,) * (4 - out.dim())
-    merge(out_a[leading], lse_a.contiguous(), out_b[leading], lse_b.contiguous(), out[leading], lse)
+    merge(out_a[leading], lse_a[leading], out_b[leading], lse_b[leading], out[leading], lse[leading])
     return out, lse
 
 

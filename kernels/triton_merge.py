@@ -24,11 +24,15 @@ def _weighted(out_ptrs, mask, weight):
 @triton.jit
 def _merge_kernel(OutA, LseA, OutB, LseB, Out, Lse, n_rows, dim1, dim2,
                   stride_a0, stride_a1, stride_a2, stride_b0, stride_b1, stride_b2, stride_o0, stride_o1, stride_o2,
+                  stride_la0, stride_la1, stride_la2, stride_lb0, stride_lb1, stride_lb2,
+                  stride_l0, stride_l1, stride_l2,
                   D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rows_ok = rows < n_rows
-    lse_a = tl.load(LseA + rows, mask=rows_ok, other=float("-inf")).to(tl.float32)
-    lse_b = tl.load(LseB + rows, mask=rows_ok, other=float("-inf")).to(tl.float32)
+    lse_a = tl.load(LseA + _row_offsets(rows, dim1, dim2, stride_la0, stride_la1, stride_la2), mask=rows_ok,
+                    other=float("-inf")).to(tl.float32)
+    lse_b = tl.load(LseB + _row_offsets(rows, dim1, dim2, stride_lb0, stride_lb1, stride_lb2), mask=rows_ok,
+                    other=float("-inf")).to(tl.float32)
     top = tl.maximum(lse_a, lse_b)
     seen = top > float("-inf")
     top = tl.where(seen, top, 0.0)
@@ -44,17 +48,18 @@ def _merge_kernel(OutA, LseA, OutB, LseB, Out, Lse, n_rows, dim1, dim2,
     out = _weighted(a_ptrs, mask, exp_a / total) + _weighted(b_ptrs, mask, exp_b / total)
     o_ptrs = Out + _row_offsets(rows, dim1, dim2, stride_o0, stride_o1, stride_o2)[:, None] + cols[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=mask)
-    tl.store(Lse + rows, lse, mask=rows_ok)
+    tl.store(Lse + _row_offsets(rows, dim1, dim2, stride_l0, stride_l1, stride_l2), lse, mask=rows_ok)
 
 
 def merge(out_a, lse_a, out_b, lse_b, out, lse):
-    """Fills ``out`` and ``lse``. Outputs are (n0, n1, n2, D) with a unit last stride; the LSEs are
-    contiguous (n0, n1, n2)."""
+    """Fills ``out`` and ``lse``, which may be ``out_a`` and ``lse_a`` (each row is read before it
+    is written, by the same program). Outputs are (n0, n1, n2, D) with a unit last stride; the LSEs
+    (n0, n1, n2), any strides."""
     n_rows = lse.numel()
     d = out.shape[-1]
     grid = (triton.cdiv(n_rows, BLOCK_ROWS),)
     _merge_kernel[grid](
         out_a, lse_a, out_b, lse_b, out, lse, n_rows, out.shape[1], out.shape[2],
-        *out_a.stride()[:3], *out_b.stride()[:3], *out.stride()[:3],
+        *out_a.stride()[:3], *out_b.stride()[:3], *out.stride()[:3], *lse_a.stride(), *lse_b.stride(), *lse.stride(),
         D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_R=BLOCK_ROWS,
     )

@@ -222,6 +222,24 @@ def test_merge_handles_empty_sides(shape):
     assert rel_err(out, want) <= 1e-6 and rel_err(lse[lse.isfinite()], want_lse[want_lse.isfinite()]) <= 1e-6
 
 
+def test_merge_in_place_into_rows_of_a_running_result():
+    """As the ring merges a tile: the running float32 (out, lse) of all rows, updated in place on a
+    slice of its rows (strided out and lse), against the reference merge."""
+    torch.manual_seed(8)
+    out, lse = torch.randn(2, 3, 40, 24, device=DEVICE), torch.randn(2, 3, 40, device=DEVICE)
+    lse[:, :, ::5] = float("-inf")
+    out[lse.isneginf()] = 0.0  # a row that has seen no key yet holds 0
+    part_out = torch.randn(2, 3, 16, 24, device=DEVICE, dtype=torch.bfloat16)
+    part_lse = torch.randn(2, 3, 16, device=DEVICE)
+    part_lse[:, :, ::3] = float("-inf")
+    want_out, want_lse = out.clone(), lse.clone()
+    reference.merge_into(want_out[:, :, 8:24], want_lse[:, :, 8:24], part_out, part_lse)
+    rows = slice(8, 24)
+    ta.merge_forward(out[:, :, rows], lse[:, :, rows], part_out, part_lse, out=out[:, :, rows], lse=lse[:, :, rows])
+    assert torch.equal(lse.isneginf(), want_lse.isneginf())
+    assert rel_err(out, want_out) <= 1e-6 and rel_err(lse[lse.isfinite()], want_lse[want_lse.isfinite()]) <= 1e-6
+
+
 def _bad_calls():
     q, k, v = make_qkv("gqa", s_q=8, requires_grad=False)
     out, lse = torch.zeros(*q.shape[:-1], v.shape[-1]), torch.zeros(q.shape[:-1])

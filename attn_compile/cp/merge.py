@@ -1,7 +1,10 @@
 """Merging partial attention results over disjoint key sets, by their log-sum-exp."""
 import torch
 
+from attn_compile.kernels.dispatch import merge_into as merge_
 from attn_compile.kernels.reference import lse_dtype
+
+__all__ = ["empty_result", "merge_"]
 
 
 def empty_result(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -11,15 +14,3 @@ def empty_result(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.
     out = q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=dtype)
     lse = q.new_full(q.shape[:-1], float("-inf"), dtype=dtype)
     return out, lse
-
-
-def merge_(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor) -> None:
-    """In place: (out, lse) becomes the attention over both key sets.
-
-    out + sigmoid(part_lse - lse) * (part_out - out) is the softmax-weighted mean of the two
-    without exp overflow. A side that saw no key has lse -inf and weight 0; when neither saw
-    one the difference is NaN, and the row stays (0, -inf).
-    """
-    weight = torch.sigmoid(part_lse - lse).nan_to_num_(0.0).unsqueeze(-1)
-    out.add_(weight * (part_out - out))
-    lse.copy_(torch.logaddexp(lse, part_lse))
