@@ -4,12 +4,12 @@ Pattern: ``x.contiguous()`` as q, k or v, with ``x`` unit-strided in its last ax
 (B, S, H, D) projection transposed to (B, H, S, D)). Replacement: ``x``. Every kernel behind the op
 takes such strides (the fused ones read them in place), so the copy is not needed. The op's output
 is always a contiguous (B, H, S, D) tensor, so a ``transpose(1, 2).contiguous()`` after attention
-remains a copy.
+remains a copy. A copy whose source is modified in place stays: the op would read the edited source.
 """
 from torch.fx import Node
 
 from .call import AttentionCall
-from .nodes import op_of
+from .nodes import is_mutated, op_of
 from .shapes import example_tensor, known_equal
 
 
@@ -18,7 +18,9 @@ def _copied(node: Node):
     if op_of(node) != "contiguous" or len(node.args) > 1 or node.kwargs:
         return None
     source = example_tensor(node.args[0])
-    return node.args[0] if source is not None and known_equal(source.stride(-1), 1) else None
+    if source is None or not known_equal(source.stride(-1), 1) or is_mutated(node.args[0]):
+        return None  # a source edited in place may differ from the copy where the op reads it
+    return node.args[0]
 
 
 def drop_contiguous_copies(call: AttentionCall) -> AttentionCall:

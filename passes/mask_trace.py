@@ -18,7 +18,7 @@ from torch.fx import Node
 
 from .index_formula import (COMPARISONS, Affine, And, Compare, Eq, Gather, Le, Not, Number, Or, Select, all_of,
                             any_of, negate, substitute)
-from .nodes import argument, op_of
+from .nodes import argument, is_mutated, op_of
 from .shapes import constant_int, example_tensor, known_equal
 
 
@@ -91,6 +91,8 @@ class MaskTracer:
                 name = op_of(node) or getattr(node.target, "__name__", node.target)
                 raise Unsupported(f"{node.name} = {name}(...) is not index arithmetic")
             return _leaf(node, out)
+        if is_mutated(node):  # its formula says how it was made, not what it holds after the edit
+            raise Unsupported(f"{node.name} is modified in place")
         try:
             return Sym(handler(self, node, out), tuple(out.shape), out.dtype)
         except Unsupported:

@@ -7,7 +7,7 @@ Pattern, from the value matmul back (brackets: optional; any spelling: ``@``, to
     scores = [q * c_q] @ k.transpose(-2, -1)               # or k.mT, k.permute(0, 1, 3, 2)
     scores = [scores * c | scores / c]                      # c a constant, or torch.full((), c)
     scores = [scores + mask | scores.masked_fill(cond, NEG) | torch.where(cond, scores, NEG)]
-    scores = [scores.float() | scores.to(dtype)]
+    scores = [scores.float() | scores.to(dtype)]            # an upcast, to float32 or float64
     probs  = softmax(scores, dim=-1 [, dtype=float32])
     probs  = [probs.to(dtype) | probs.type(dtype) | probs.type_as(x)]
     probs  = [dropout(probs, p, training)]                  # with p == 0 or training False
@@ -17,9 +17,10 @@ Replacement: ``attn_cp.attention(q, k, v, attn_mask, scale=c_q * c)`` (scale 1 w
 written), where attn_mask is ``mask`` (additive), ``~cond`` (masked_fill) or ``cond`` (where),
 and NEG is -inf or a dtype's minimum. Not matched, so left to compile as written: a softmax over
 another axis, anything else between the score matmul and the value matmul (a scale after the
-softmax, a mask before the scale, ...), k not transposed in its last two axes. Matched but left,
-with the reason: dropout that is active, intermediate results used elsewhere (e.g. returned
-attention weights), masked_fill with another value, a scale known only at run time.
+softmax, a mask before the scale, a downcast of the scores, ...), k not transposed in its last
+two axes. Matched but left, with the reason: dropout that is active, intermediate results used
+elsewhere (e.g. returned attention weights), masked_fill with another value, a scale known only
+at run time, q, k or the mask modified in place before the value matmul (the op reads them there).
 """
 import dataclasses
 from typing import Optional, Union
@@ -30,7 +31,7 @@ from torch.fx import Node
 
 from .call import AttentionCall, Left
 from .index_formula import HARD_NEGATIVES
-from .nodes import argument, op_of
+from .nodes import argument, mutated_between, op_of
 from .shapes import example_tensor, example_value
 
 _CASTS = ("to", "type", "type_as", "float", "double", "half", "bfloat16")
@@ -49,6 +50,7 @@ class _Match:
     mask: Optional[Node] = None
     mask_hides: bool = False  # a bool mask that is True at the hidden keys (masked_fill's)
     chain: list = dataclasses.field(default_factory=list)  # the nodes between the two matmuls
+    first: Optional[Node] = None  # where the pattern first reads q and k (the op reads them at the value matmul)
     reasons: list = dataclasses.field(default_factory=list)  # why the site stays as it is
 
 
@@ -102,9 +104,10 @@ def _scores(node) -> Optional[_Match]:
     if k is None:
         return None
     q, q_scale = _scaled(product.args[0])
+    first = product.args[0] if q is not product.args[0] else product
     if RUNTIME in (scale, q_scale):
-        return _Match(q, k, chain=[product, node], reasons=[RUNTIME])
-    return _Match(q, k, scale=scale * q_scale, chain=[product, node])
+        return _Match(q, k, chain=[product, node], first=first, reasons=[RUNTIME])
+    return _Match(q, k, scale=scale * q_scale, chain=[product, node], first=first)
 
 
 def _masked(node) -> Optional[_Match]:
@@ -134,6 +137,18 @@ def _cast(node) -> Node:
     return node.args[0] if op_of(node) in _CASTS else node
 
 
+def _upcast(node) -> Node:
+    """A cast of the scores that loses nothing (to float32 or float64, or to their own dtype): the op
+    computes them in fp32 or better anyway. A downcast (``scores.half()``) stays, and so does the site."""
+    if op_of(node) not in _CASTS:
+        return node
+    source, out = example_tensor(node.args[0]), example_tensor(node)
+    if source is None or out is None:
+        return node
+    widens = out.dtype in _UPCASTS and out.dtype.itemsize >= source.dtype.itemsize
+    return node.args[0] if out.dtype == source.dtype or widens else node
+
+
 def _softmax(node) -> Optional[Node]:
     if op_of(node) != "softmax":
         return None
@@ -161,7 +176,7 @@ def _match(anchor: Node) -> Optional[_Match]:
         chain.append(probs)
         reasons += [r for r in [_active_dropout(probs)] if r]
         probs = probs.args[0]
-    for step in (_cast, _softmax, _cast):
+    for step in (_cast, _softmax, _upcast):
         if not isinstance(probs, Node):
             return None
         chain.append(probs)
@@ -193,6 +208,10 @@ def find(node: Node) -> Union[AttentionCall, Left, None]:
     shared = next((n for n in match.chain if len(n.users) > 1), None)
     if shared is not None:
         match.reasons.append(f"{shared.name} is also used by {', '.join(u.name for u in shared.users)}")
+    edited = [name for name in ("q", "k", "attn_mask")
+              if tensors[name] is not None and mutated_between(tensors[name], match.first, node)]
+    if edited:
+        match.reasons.append(f"modified in place between the score and the value matmul: {', '.join(edited)}")
     if match.reasons:
         return Left(node, match.reasons[0], tensors)
     mask = _negated(node, match.mask) if match.mask_hides else match.mask

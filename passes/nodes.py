@@ -6,6 +6,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch.fx import Graph, Node
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from .shapes import example_tensor
 
 # Function targets by the name of the tensor method that computes the same thing.
 _FUNCTIONS = {
@@ -77,8 +80,32 @@ def mutates(node: Node) -> bool:
     return False
 
 
+def _memory(node: Node):
+    """What identifies the memory of node's value: the traced tensor's storage, which its views and
+    the casts that return it as it is share; the node itself where there is none to read."""
+    t = example_tensor(node)
+    if t is not None:
+        try:
+            return StorageWeakRef(t.untyped_storage())
+        except (NotImplementedError, RuntimeError):  # a tensor subclass without storage of its own
+            pass
+    return node
+
+
+def _mutations(node: Node) -> list:
+    """The in-place calls, in graph order, on node's memory: on node or on anything that aliases it."""
+    memory = _memory(node)
+    return [n for n in node.graph.nodes
+            if mutates(n) and n.args and isinstance(n.args[0], Node) and _memory(n.args[0]) == memory]
+
+
 def is_mutated(node: Node) -> bool:
-    return any(mutates(user) and user.args and user.args[0] is node for user in node.users)
+    return bool(_mutations(node))
+
+
+def mutated_between(node: Node, first: Node, last: Node) -> bool:
+    """node's memory is modified in place by a call after ``first`` and before ``last``."""
+    return any(first < m < last for m in _mutations(node))
 
 
 def erase_unused(graph: Graph, nodes) -> None:

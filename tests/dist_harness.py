@@ -3,9 +3,11 @@
 ``run_distributed(fn, world, *args)`` spawns the processes, calls ``fn(rank, world, *args)`` in
 each, and re-raises a failure of any rank in the parent with that rank's traceback. A hang
 fails too: collectives time out after ``timeout`` seconds, and the whole run is killed after
-the same time, so put many cases in one call to pay the start-up once.
+the same time, so put many cases in one call to pay the start-up once. ``run_ranks`` runs the
+same way but returns how each rank fared instead, for tests where some ranks are meant to fail.
 """
 import datetime
+import json
 import os
 import tempfile
 import time
@@ -17,10 +19,14 @@ import torch.multiprocessing as mp
 TIMEOUT = 120.0
 
 
-def _entry(rank, world, store_path, timeout, fn, args):
+def _join(rank, world, store_path, timeout):
     torch.set_num_threads(1)  # several ranks share few cores: more threads only contend (10-100x slower)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout))
+
+
+def _entry(rank, world, store_path, timeout, fn, args):
+    _join(rank, world, store_path, timeout)
     try:
         fn(rank, world, *args)
         dist.barrier()
@@ -38,3 +44,47 @@ def run_distributed(fn, world: int, *args, timeout: float = TIMEOUT) -> None:
                 for process in context.processes:
                     process.kill()
                 raise TimeoutError(f"{fn.__name__} did not finish on {world} processes within {timeout:.0f} s")
+
+
+def _reporting_entry(rank, world, store_path, timeout, report_dir, fn, args):
+    _join(rank, world, store_path, timeout)
+    start = time.monotonic()
+    try:
+        fn(rank, world, *args)
+        error = None
+    except Exception as e:  # noqa: BLE001  (what failed is the report)
+        error = f"{type(e).__name__}: {e}"
+    report = {"error": error, "seconds": time.monotonic() - start}
+    with open(os.path.join(report_dir, f"rank_{rank}.json"), "w") as f:
+        json.dump(report, f)
+    os._exit(0)  # no destroy_process_group: with a peer gone it could block
+
+
+def run_ranks(fn, world: int, *args, timeout: float = TIMEOUT) -> list:
+    """Like run_distributed, but reports each rank instead of raising: a list, by rank, of
+    ``{"error": "Type: message" or None, "seconds": how long fn ran}``, or
+    ``{"exitcode": ...}`` for a rank that wrote no report (it exited, or hung until killed).
+    Collectives time out after ``timeout`` seconds; ranks still running ``timeout + 60`` seconds
+    after the start (start-up included) are killed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spawn = mp.get_context("spawn")
+        processes = [spawn.Process(target=_reporting_entry,
+                                   args=(rank, world, os.path.join(tmp, "store"), timeout, tmp, fn, args))
+                     for rank in range(world)]
+        for process in processes:
+            process.start()
+        deadline = time.monotonic() + timeout + 60.0
+        for process in processes:
+            process.join(max(deadline - time.monotonic(), 0.0))
+            if process.is_alive():
+                process.kill()
+                process.join()
+        reports = []
+        for rank, process in enumerate(processes):
+            path = os.path.join(tmp, f"rank_{rank}.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    reports.append(json.load(f))
+            else:
+                reports.append({"exitcode": process.exitcode})
+        return reports

@@ -1,13 +1,14 @@
-"""The float64 oracle every numerical test compares against: plain softmax attention."""
+"""The float64 oracle every numerical test compares against: plain softmax attention, and ways to
+measure an error against it."""
 import torch
 
 
-def naive_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, window=(-1, -1),
-                    key_padding_mask=None, q_offset=0, k_offset=0):
-    """float64 attention with repeated KV heads and an explicit S_q x S_k mask; fully masked rows give 0."""
-    q, k, v = q.double(), k.double(), v.double()
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+def naive_probs(q, k, *, attn_mask=None, is_causal=False, scale=None, window=(-1, -1), key_padding_mask=None,
+                q_offset=0, k_offset=0):
+    """float64 softmax(q k^T * scale) (B, h_q, S_q, S_k) with repeated KV heads and an explicit S_q x S_k
+    mask; fully masked rows are 0."""
+    q, k = q.double(), k.double()
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     scores = q @ k.transpose(-1, -2) * scale
     i = torch.arange(q.shape[2])[:, None] + q_offset
@@ -23,13 +24,18 @@ def naive_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, win
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             visible = visible & attn_mask
-        else:
+        else:  # an additive -inf hides the key as False does: a row hidden entirely gets 0 and zero gradients
             scores = scores + attn_mask.double()
+            visible = visible & (attn_mask != float("-inf"))
     if key_padding_mask is not None:
         visible = visible & key_padding_mask[:, None, None, :]
     scores = scores.masked_fill(~visible, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    return probs @ v
+    return torch.softmax(scores, dim=-1).nan_to_num(0.0)
+
+
+def naive_attention(q, k, v, **masking):
+    """float64 attention: naive_probs(q, k, **masking) @ v, with repeated KV heads."""
+    return naive_probs(q, k, **masking) @ v.double().repeat_interleave(q.shape[1] // v.shape[1], 1)
 
 
 def rel_err(got, want) -> float:
@@ -38,3 +44,35 @@ def rel_err(got, want) -> float:
     diff = got.double() - want.double()
     norm = want.double().norm()
     return (diff.abs().max() if norm == 0 else diff.norm() / norm).item()
+
+
+def magnitudes(q, k, v, dout, **masking) -> list[float]:
+    """Norms of out, dq, dk, dv computed with every term's absolute value: the size they would have
+    without cancellation, which is what sets the size of their rounding errors. (A row that sees one
+    key has dq = 0 exactly, but dp - delta in a backward pass cancels to an fp32 residue.)"""
+    q, k, v, dout = (x.detach().double() for x in (q, k, v, dout))
+    scale = q.shape[-1] ** -0.5 if masking.get("scale") is None else masking["scale"]
+    group = q.shape[1] // k.shape[1]
+    p = naive_probs(q, k, **masking)
+    k, v = (x.abs().repeat_interleave(group, 1) for x in (k, v))
+    out = p @ v
+    ds = p * (dout.abs() @ v.transpose(-1, -2) + (dout.abs() * out).sum(-1, keepdim=True))
+    dk, dv = (x.unflatten(1, (-1, group)).sum(2) for x in (scale * ds.transpose(-1, -2) @ q.abs(),
+                                                          p.transpose(-1, -2) @ dout.abs()))
+    return [x.norm().item() for x in (out, scale * ds @ k, dk, dv)]
+
+
+def oracle_problems(got, q, k, v, dout, *, tol, **masking) -> list[str]:
+    """What is wrong with ``got`` (out, dq, dk, dv of attention on q, k, v with gradient dout)
+    against the oracle: each error, relative to the size of its terms (``magnitudes``), must be
+    within ``tol``. Empty if nothing is."""
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    want = naive_attention(*leaves, **masking)
+    oracle = [want, *torch.autograd.grad(want, leaves, dout.double())]
+    problems = []
+    for name, g, o, size in zip(("out", "dq", "dk", "dv"), got, oracle, magnitudes(q, k, v, dout, **masking)):
+        diff = (g.double() - o).norm().item()
+        error = diff / size if size else diff
+        if not error <= tol:  # a NaN anywhere fails too
+            problems.append(f"{name}: error {error:.2e} > {tol:.1e} (rel_err {rel_err(g, o):.2e})")
+    return problems

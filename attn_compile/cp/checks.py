@@ -1,24 +1,25 @@
 """Argument checks for the context-parallel ops, run before any collective is posted.
 
-Ranks first agree that they were called alike (one small all-gather, cached per call
-signature), so a bad argument makes every rank raise the same error and none hangs in a
-collective that a failed rank never joins. The first call with each signature checks it:
-ranks are expected to call with the same sequence of signatures. Packed documents are checked
-on every call: their signature holds the document lengths, and a rank-local problem (a token
-count that does not match them) is put into it, so every rank sees it.
+Ranks first agree that they were called alike, on every call: a 16-byte digest of the call's
+signature is all-gathered on a gloo twin of the group (comm.host_groups), so the check never
+waits for the GPU. A bad argument, or a shape that changes on one rank only, then makes every
+rank raise the same error, and none hangs in a collective that another rank never joins. For
+packed documents the signature holds a checksum of the document lengths and any rank-local
+problem (a token count that does not match them), so every rank sees it.
 """
+import hashlib
 import zlib
 
 import torch
 
 from attn_compile.validation import check_attention_args
 
-from .comm import all_gather_stacked, cp_rank, cp_size
+from .comm import all_gather_stacked, cp_rank, cp_size, host_groups
 from .documents import check_cu_seqlens, cu_seqlens_error, document_sharding
 from .layout import SequenceSharding, check_layout
 
 _SIGNATURE_BYTES = 512
-_AGREED: set = set()
+_DIGEST_BYTES = 16
 
 
 def _signature(q, k, v, options: dict, packed: bool) -> str:
@@ -28,20 +29,21 @@ def _signature(q, k, v, options: dict, packed: bool) -> str:
     return shapes + "".join(f", {key}={value!r}" for key, value in options.items())
 
 
+def _gather_bytes(data: bytes, size: int, groups) -> list[bytes]:
+    """Every rank's ``data``, cut or padded to ``size`` bytes, in context-parallel rank order."""
+    row = torch.frombuffer(bytearray(data[:size].ljust(size, b"\0")), dtype=torch.uint8)
+    return [bytes(r.tolist()) for r in all_gather_stacked(row, host_groups(groups))]
+
+
 def check_same_on_all_ranks(groups, q, k, v, packed=False, **options) -> None:
     """Raises the same ValueError on every rank unless all ranks pass like shapes and options."""
-    signature = _signature(q, k, v, options, packed)
-    key = (tuple(group.group_name for group in groups), signature)
-    if key in _AGREED:
+    signature = _signature(q, k, v, options, packed).encode()
+    if len(set(_gather_bytes(hashlib.blake2b(signature, digest_size=_DIGEST_BYTES).digest(), _DIGEST_BYTES,
+                             groups))) == 1:
         return
-    encoded = bytearray(signature.encode()[:_SIGNATURE_BYTES].ljust(_SIGNATURE_BYTES, b"\0"))
-    gathered = all_gather_stacked(torch.frombuffer(encoded, dtype=torch.uint8).to(q.device), groups).cpu()
-    signatures = [bytes(row.tolist()).rstrip(b"\0").decode(errors="replace") for row in gathered]
-    if len(set(signatures)) > 1:
-        listing = "; ".join(f"rank {rank}: {s}" for rank, s in enumerate(signatures))
-        raise ValueError(f"q, k, v and the options must be the same on every rank of the group; got {listing}")
-    if not packed:
-        _AGREED.add(key)
+    signatures = [s.rstrip(b"\0").decode(errors="replace") for s in _gather_bytes(signature, _SIGNATURE_BYTES, groups)]
+    listing = "; ".join(f"rank {rank}: {s}" for rank, s in enumerate(signatures))
+    raise ValueError(f"q, k, v and the options must be the same on every rank of the group; got {listing}")
 
 
 def sharding_of(q, groups, layout: str, cu_seqlens=None):

@@ -5,6 +5,8 @@ A context-parallel group is a tuple of process groups: ``(group,)`` for a Proces
 2-D mesh is ``outer_rank * inner_size + inner_rank``, so the shards are numbered mesh-row
 by mesh-row.
 """
+import functools
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -30,6 +32,19 @@ def process_groups(group) -> tuple:
 def resolve(names: list[str]) -> tuple:
     """The process groups the custom ops receive by name."""
     return tuple(_resolve_process_group(name) for name in names)
+
+
+@functools.lru_cache(maxsize=None)
+def _host_group(group):
+    if dist.get_backend(group) == "gloo":
+        return group
+    return dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
+
+
+def host_groups(groups) -> tuple:
+    """gloo groups over the same ranks (the groups themselves where they are gloo): small
+    agreements between ranks run on the CPU there, without waiting for the GPU."""
+    return tuple(_host_group(group) for group in groups)
 
 
 def cp_size(groups) -> int:

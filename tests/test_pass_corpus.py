@@ -1,0 +1,279 @@
+"""The passes are never wrong: a corpus of attention-like code that the attn_cp backend must either
+rewrite into attn_cp.attention or leave as it is, and either way compute what eager computes,
+output and gradients. Each entry says how many sites it expects rewritten, so a look-alike that
+starts being rewritten (or a real attention that stops) shows up too."""
+import dataclasses
+from typing import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from dist_harness import run_distributed
+from oracle import rel_err
+
+B, H, S, D = 2, 4, 16, 8
+SCALE = D ** -0.5
+NEG = float("-inf")
+
+
+def _qkv(dtype=torch.float32, *, k_dtype=None, h_kv=H, spread=1.0):
+    q = torch.randn(B, H, S, D) * spread
+    k, v = (torch.randn(B, h_kv, S, D) * spread for _ in range(2))
+    return [q.to(dtype), k.to(k_dtype or dtype), v.to(dtype)]
+
+
+def _causal():
+    return torch.ones(S, S, dtype=torch.bool).tril()
+
+
+def sdpa_causal(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def hand_written(q, k, v):
+    return (q @ k.transpose(-2, -1) * SCALE).softmax(-1) @ v
+
+
+def negative_scale(q, k, v):
+    return (q @ k.mT * -0.5).softmax(-1) @ v
+
+
+def softmax_over_queries(q, k, v):
+    return (q @ k.mT * SCALE).softmax(dim=-2) @ v
+
+
+def scale_after_softmax(q, k, v):
+    return (q @ k.mT).softmax(-1) * SCALE @ v
+
+
+def mask_from_the_scores(q, k, v):
+    """Keeps, per query, only the keys whose score is within 1 of the best: a mask made of the data."""
+    s = q @ k.mT * SCALE
+    return s.masked_fill(s < s.amax(-1, keepdim=True) - 1.0, NEG).softmax(-1) @ v
+
+
+def mask_from_other_data(q, k, v):
+    """A data mask that is not the scores themselves may stay a mask tensor of the op (rows it
+    hides entirely give 0, as SDPA's)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(q @ k.mT) > 0)
+
+
+class ALiBi(nn.Module):
+    """Linear biases by distance, added to the scores: an additive mask the op takes as it is."""
+
+    def __init__(self, causal):
+        super().__init__()
+        self.causal = causal
+        self.register_buffer("slopes", 2.0 ** (-8.0 * torch.arange(1, H + 1) / H))
+
+    def forward(self, q, k, v):
+        i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
+        bias = self.slopes[:, None, None] * (j - i)
+        if self.causal:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.masked_fill(j > i, NEG))
+        return (q @ k.mT * SCALE + bias).softmax(-1) @ v
+
+
+def softcapped(q, k, v):
+    """Gemma 2's logit softcapping, tanh(s / c) * c: not softmax attention of q and k."""
+    return (2.0 * torch.tanh(q @ k.mT * SCALE / 2.0)).softmax(-1) @ v
+
+
+def keys_along_dim_minus_2(q, k, v):
+    """Attention with the scores laid out (keys, queries), normalized over dim -2."""
+    return (k @ q.mT * SCALE).softmax(dim=-2).mT @ v
+
+
+def five_dim(q, k, v):
+    """Axial attention along the last-but-one axis of a (B, H, X, S, D) tensor: the op takes 4-D only."""
+    q, k, v = (x.unflatten(2, (4, S // 4)) for x in (q, k, v))
+    return ((q @ k.mT * SCALE).softmax(-1) @ v).flatten(2, 3)
+
+
+def scores_filled_in_place(q, k, v):
+    s = q @ k.mT * SCALE
+    s.masked_fill_(~_causal(), NEG)
+    return s.softmax(-1) @ v
+
+
+def prefix_lm_mask_edited_in_place(q, k, v):
+    """A causal mask made bidirectional over a 4-token prefix by an in-place edit."""
+    mask = _causal()
+    mask[:, :4] = True
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def mask_edited_after_use(q, k, v):
+    """The scores take the mask before the edit; the op, at the value matmul, would read it after."""
+    mask = torch.zeros(S, S).masked_fill(~_causal(), NEG)
+    s = q @ k.mT * SCALE + mask
+    mask[:, :4] = 0.0
+    return s.softmax(-1) @ v
+
+
+def padding_edited_through_a_view(q, k, v, padding):
+    """The mask reads the key padding before the edit; as key_padding_mask the op would read it after."""
+    mask = padding[:, None, None, :] & _causal()
+    padding[:, 2:5].fill_(False)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def repeated_kv_edited_through_a_view(q, k, v):
+    """repeat_kv copies k before the edit; without the copy the op would read the edited k."""
+    k = k * 1.0
+    k2, v2 = (x.repeat_interleave(2, dim=1) for x in (k, v))
+    k[:, :, :3].mul_(3.0)
+    return F.scaled_dot_product_attention(q, k2, v2)
+
+
+def copy_of_q_edited_at_its_source(q, k, v):
+    """.contiguous() copies q before the edit; without the copy the op would read the edited source."""
+    x = q.transpose(1, 2).contiguous()  # (B, S, H, D), as a projection gives it
+    q = x.transpose(1, 2).contiguous()
+    x.mul_(2.0)
+    return F.scaled_dot_product_attention(q, k, v)
+
+
+def k_in_float64(q, k, v):
+    return (q.double() @ k.mT * SCALE).softmax(-1).float() @ v
+
+
+def upcast_from_half(q, k, v):
+    return (q.float() @ k.float().mT * SCALE).softmax(-1) @ v.float()
+
+
+def hf_eager_half(q, k, v):
+    """transformers' eager attention in half precision: a float32 softmax, cast back."""
+    return F.softmax(q @ k.mT * SCALE, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+def scores_downcast_to_half(q, k, v):
+    """The softmax in half precision, as written: the op would compute it in fp32."""
+    return (q @ k.mT * SCALE).half().softmax(-1).float() @ v
+
+
+def float64_additive_mask(q, k, v):
+    mask = torch.zeros(S, S, dtype=torch.float64).masked_fill(~_causal(), torch.finfo(torch.float64).min)
+    return F.softmax(q @ k.mT * SCALE + mask, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+def where_with_the_fill_first(q, k, v):
+    return torch.where(~_causal(), NEG, q @ k.mT * SCALE).softmax(-1) @ v
+
+
+class DropoutAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.dropout = nn.Dropout(0.1)
+
+    def forward(self, q, k, v):
+        return self.dropout((q @ k.mT * SCALE).softmax(-1)) @ v
+
+
+class LearnedTemperature(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.temperature = nn.Parameter(torch.tensor(0.3))
+
+    def forward(self, q, k, v):
+        return (q @ k.mT * self.temperature).softmax(-1) @ v
+
+
+class LearnedBias(nn.Module):
+    """A trained relative-position bias: a mask that requires grad, which the op does not differentiate."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(H, S, S) * 0.1)
+
+    def forward(self, q, k, v):
+        return (q @ k.mT * SCALE + self.bias).softmax(-1) @ v
+
+
+@dataclasses.dataclass
+class Case:
+    model: Callable  # a function or an nn.Module
+    rewrites: int
+    inputs: Callable = _qkv
+    tolerance: float = 1e-5
+
+
+def _half():
+    return _qkv(torch.float16)
+
+
+CORPUS = {
+    "sdpa": Case(sdpa_causal, 1),
+    "hand-written": Case(hand_written, 1),
+    "negative scale": Case(negative_scale, 1),
+    "softmax over the wrong dim": Case(softmax_over_queries, 0),
+    "scale after softmax": Case(scale_after_softmax, 0),
+    "mask from the scores": Case(mask_from_the_scores, 0),
+    "mask from other data": Case(mask_from_other_data, 1),
+    "alibi, hand-written": Case(ALiBi(causal=False), 1),
+    "alibi + causal, sdpa": Case(ALiBi(causal=True), 1),
+    "softcapping": Case(softcapped, 0, lambda: _qkv(spread=3.0)),
+    "keys along dim -2": Case(keys_along_dim_minus_2, 0),
+    "5-D": Case(five_dim, 0),
+    "scores filled in place": Case(scores_filled_in_place, 0),
+    "prefix-LM mask edited in place": Case(prefix_lm_mask_edited_in_place, 1),
+    "mask edited after use": Case(mask_edited_after_use, 0),
+    "key padding edited through a view": Case(padding_edited_through_a_view, 1,
+                                              lambda: [*_qkv(), torch.rand(B, S) < 0.8]),
+    "repeated k edited through a view": Case(repeated_kv_edited_through_a_view, 1, lambda: _qkv(h_kv=H // 2)),
+    "copy of q edited at its source": Case(copy_of_q_edited_at_its_source, 1),
+    "q float32, k float64": Case(k_in_float64, 0, lambda: _qkv(k_dtype=torch.float64)),
+    "half, upcast to float32": Case(upcast_from_half, 1, _half),
+    # eager rounds the scores and the probabilities to half, the op does not: 4x half's unit roundoff
+    "half, hf eager": Case(hf_eager_half, 1, _half, tolerance=2e-3),
+    "scores downcast to half": Case(scores_downcast_to_half, 0),
+    "float64 additive mask": Case(float64_additive_mask, 1),
+    "where(mask, -inf, scores)": Case(where_with_the_fill_first, 0),
+    "dropout 0.1, training": Case(DropoutAttention().train(), 0),
+    "dropout 0.1, eval": Case(DropoutAttention().eval(), 1),
+    "learned temperature": Case(LearnedTemperature(), 0),
+    "learned bias": Case(LearnedBias(), 0),
+}
+
+
+@pytest.mark.parametrize("name", list(CORPUS))
+def test_compiled_equals_eager(name, inner_graphs):
+    case = CORPUS[name]
+    torch.manual_seed(0)
+    model, inputs = case.model, case.inputs()
+    params = list(model.parameters()) if isinstance(model, nn.Module) else []
+    compiled = torch.compile(model, backend="attn_cp", options={"inner": "aot_eager"}, fullgraph=True)
+    results = []
+    for fn in (compiled, model):
+        args = [x.clone().requires_grad_(x.is_floating_point()) for x in inputs]  # some are edited in place
+        leaves = [x for x in args + params if x.requires_grad]
+        torch.manual_seed(1)  # the same dropout mask in both
+        out = fn(*args)
+        results.append([out, *torch.autograd.grad(out, leaves, torch.ones_like(out))])
+    for got, want in zip(*results):
+        assert got.dtype == want.dtype and rel_err(got, want) <= case.tolerance, (got.dtype, rel_err(got, want))
+    ops = [n for gm in inner_graphs for n in gm.graph.nodes if n.target is torch.ops.attn_cp.attention.default]
+    assert len(ops) == case.rewrites
+
+
+def _failing_pass_with_a_mesh(rank, world):
+    import attn_compile.passes as passes
+
+    def broken(call):
+        raise RuntimeError("planted failure")
+
+    passes.REFINEMENTS = (broken,)
+    q, k, v = (torch.randn(1, 2, 8, 8) for _ in range(3))
+    fn = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), backend="attn_cp",
+                       options={"inner": "eager", "mesh": dist.group.WORLD})
+    with pytest.raises(Exception, match="planted failure"):
+        fn(q, k, v)
+
+
+def test_a_failing_pass_re_raises_when_a_mesh_is_given():
+    """Without strict, a failing pass compiles the graph unchanged (test_backend.py); with a mesh,
+    the unchanged graph would attend within each rank's shard only, so the failure is raised."""
+    run_distributed(_failing_pass_with_a_mesh, 1)
