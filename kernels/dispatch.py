@@ -4,7 +4,9 @@ The choice depends only on the call's metadata (see ``Problem``), so forward and
 every rank, and ``explain`` all agree on it. Kernels are tried in order of measured speed
 (BENCHMARKS.md, H100: cuDNN > Triton > flash > efficient); the reference takes everything
 else. Triton is the fused kernel for windows and position offsets (ring steps), which none of
-the aten kernels take.
+the aten kernels take. Packed documents (``varlen_*``) try Triton, then FA2's varlen kernel
+(which pads V for MLA inside its adapter), then one reference call per document. ``merge_into``
+combines partial results: one fused Triton kernel on CUDA.
 
 Mask arguments, shared by every function here: ``is_causal`` (key j visible to query i when
 j <= i), ``window=(left, right)`` (i-left <= j <= i+right, -1 unbounded), ``attn_mask`` (bool,

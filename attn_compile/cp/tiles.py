@@ -1,9 +1,9 @@
 """Local queries against a block of keys held as chunks of known document and position: the
 kernel calls that cover every visible (query, key) pair once, and running them into merged results.
 
-Ring (one rank's keys per step), all-gather (the whole sequence) and Ulysses (the whole sequence
-of packed documents) all work through here. Every (query chunk, key chunk) pair is classified
-from positions alone: a pair from different documents or outside the mask is skipped, a fully
+Ring (one rank's keys per step) and all-gather (the whole sequence, or batch of packed documents)
+work through here. Every (query chunk, key chunk) pair is classified from positions alone: a pair
+from different documents or outside the mask is skipped, a fully
 visible one runs unmasked, a partly visible one runs masked at its positions. Fully visible pairs
 that are adjacent in both buffers run as one call, so a zigzag step off the diagonal is one
 half-size call and a diagonal chunk one square causal call.
