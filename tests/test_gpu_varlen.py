@@ -10,16 +10,13 @@ import attn_compile
 from attn_compile.kernels import dispatch, reference, select_varlen_kernel
 from attn_compile.kernels.aten import FlashVarlen
 from attn_compile.kernels.triton_attention import TritonVarlen
+import test_gpu_op
 from oracle import rel_err
 
 pytestmark = pytest.mark.gpu
 TOL = 2e-2
-SHAPES = {  # (h_q, h_kv, d_qk, d_v)
-    "mha 8h d128": (8, 8, 128, 128),
-    "gqa 8/2 d128": (8, 2, 128, 128),
-    "mla 8h 192/128": (8, 8, 192, 128),
-    "gqa+mla 16/2 192/128": (16, 2, 192, 128),
-}
+SHAPES = {name: test_gpu_op.SHAPES[name] for name in ("mha 8h d128", "gqa 8/2 d128", "mla 8h 192/128")}
+SHAPES["gqa+mla 16/2 192/128"] = (16, 2, 192, 128)  # (h_q, h_kv, d_qk, d_v)
 LENGTHS = [1, 300, 7, 1024, 3, 513, 64]
 MASKS = {"full": (False, (-1, -1)), "causal": (True, (-1, -1)), "causal window 64": (True, (64, 0)),
          "window 64/64": (False, (64, 64))}
