@@ -37,9 +37,8 @@ def _adjacent_runs(chunks, keep):
     for chunk in chunks:
         if not keep(chunk):
             continue
-        run = runs[-1] if runs else None
-        if run and run[-1].row + run[-1].length == chunk.row and keep(run[-1]):
-            run.append(chunk)
+        if runs and runs[-1][-1].row + runs[-1][-1].length == chunk.row:
+            runs[-1].append(chunk)
         else:
             runs.append([chunk])
     return runs
