@@ -9,7 +9,7 @@ def _fail(message: str):
     raise ValueError(message)
 
 
-def check_attention_args(q, k, v, attn_mask, window, key_padding_mask=None):
+def check_attention_args(q, k, v, attn_mask, window, key_padding_mask=None, document_ids=None, q_offset=0):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != 4:
             _fail(f"{name} must be 4-D (batch, heads, seq, dim); got shape {tuple(x.shape)}")
@@ -34,6 +34,23 @@ def check_attention_args(q, k, v, attn_mask, window, key_padding_mask=None):
         _check_mask(q, k, attn_mask, window)
     if key_padding_mask is not None:
         _check_key_padding(q, k, key_padding_mask)
+    if document_ids is not None:
+        _check_documents(q, k, attn_mask, document_ids, q_offset)
+
+
+def _check_documents(q, k, attn_mask, document_ids, q_offset):
+    expected = (q.shape[0], q.shape[2])
+    if document_ids.dtype.is_floating_point or document_ids.dtype.is_complex or \
+            tuple(document_ids.shape) != expected:
+        _fail(f"document_ids must be integer or bool of shape (batch, S) = {expected}; got {document_ids.dtype} "
+              f"of shape {tuple(document_ids.shape)}")
+    if document_ids.device != q.device:
+        _fail(f"document_ids must be on q's device {q.device}; got {document_ids.device}")
+    if q.shape[2] != k.shape[2] or q_offset:
+        _fail(f"document_ids need queries and keys at the same positions (S_q == S_k, q_offset=0); got "
+              f"S_q={q.shape[2]}, S_k={k.shape[2]}, q_offset={q_offset}")
+    if attn_mask is not None:
+        _fail("document_ids cannot be combined with attn_mask; fold the documents into the mask or drop the mask")
 
 
 def _check_key_padding(q, k, key_padding_mask):

@@ -20,6 +20,7 @@ def _plain(p: Problem) -> bool:
         and not p.offset
         and not p.has_mask
         and not p.has_key_padding
+        and not p.has_documents
         and (not p.is_causal or p.s_q == p.s_k)
         and p.d_qk % 8 == 0
         and p.d_v % 8 == 0
@@ -121,7 +122,7 @@ class FlashVarlen:
     def supports(p: Problem) -> bool:
         return (
             p.device_type == "cuda" and p.dtype in _HALF and not p.has_mask and not p.has_key_padding
-            and not p.offset and p.d_qk % 8 == 0 and p.d_v <= p.d_qk <= 256
+            and not p.has_documents and not p.offset and p.d_qk % 8 == 0 and p.d_v <= p.d_qk <= 256
             and _sm() >= (8, 0) and torch.backends.cuda.flash_sdp_enabled()
         )
 

@@ -17,6 +17,7 @@ import torch
 
 from . import reference
 from .aten import Cudnn, Efficient, Flash, FlashVarlen
+from .documents import packed, run_bounds, same_document_mask, unpacked
 from .problem import Problem
 
 try:
@@ -34,32 +35,70 @@ def _fused_kernel(q, k, v, masking):
     return next((kernel for kernel in FUSED if kernel.supports(problem)), None)
 
 
-def select_kernel(q, k, v, **masking) -> str:
-    """Name of the kernel that runs this call: 'cudnn', 'triton', 'flash', 'efficient' or 'reference'."""
+def select_kernel(q, k, v, document_ids=None, **masking) -> str:
+    """Name of the kernel that runs this call: 'cudnn', 'triton', 'flash', 'efficient' or 'reference';
+    with document_ids 'varlen:<kernel>', the packed kernel that runs documents in contiguous runs
+    (ids that come back after another run on the reference)."""
+    if document_ids is not None:
+        kernel = _varlen_kernel_of(Problem.of(q, k, v, **_positional(masking)))
+        return f"varlen:{kernel.name if kernel else REFERENCE}"
     kernel = _fused_kernel(q, k, v, masking)
     return kernel.name if kernel else REFERENCE
 
 
-def attention_forward(q, k, v, *, scale, **masking):
+def _documents_as_varlen(document_ids, masking):
+    """(cu_seqlens, longest) where the documents can run as one packed varlen call, else None."""
+    if masking.get("key_padding_mask") is not None:
+        return None
+    bounds = run_bounds(document_ids)
+    return None if bounds is None else (bounds.to(document_ids.device), int(bounds.diff().max()))
+
+
+def _positional(masking):
+    return {name: masking[name] for name in ("is_causal", "window") if name in masking}
+
+
+def attention_forward(q, k, v, *, scale, document_ids=None, **masking):
     """(out, lse): out (B, h_q, S_q, d_v) in q's dtype, lse (B, h_q, S_q) float32 (float64 for float64 q)."""
+    if document_ids is not None:
+        runs = _documents_as_varlen(document_ids, masking)
+        if runs is None:
+            return reference.attention_forward(q, k, v, scale=scale, **{**masking,
+                                                                         "attn_mask": same_document_mask(document_ids)})
+        cu, longest = runs
+        out, lse = varlen_forward(*map(packed, (q, k, v)), cu, cu, longest, longest, scale=scale,
+                                  **_positional(masking))
+        return unpacked(out, q.shape[0]), unpacked(lse, q.shape[0])
     kernel = _fused_kernel(q, k, v, masking)
     if kernel is not None:
         return kernel.forward(q, k, v, scale=scale, **masking)
     return reference.attention_forward(q, k, v, scale=scale, **masking)
 
 
-def attention_backward(dout, q, k, v, out, lse, *, scale, **masking):
+def attention_backward(dout, q, k, v, out, lse, *, scale, document_ids=None, **masking):
     """(dq, dk, dv). ``out`` and ``lse`` may be the merged result of several calls (ring steps):
     the gradients are then this call's share."""
+    if document_ids is not None:
+        runs = _documents_as_varlen(document_ids, masking)
+        if runs is None:
+            return reference.attention_backward(dout, q, k, v, out, lse, scale=scale,
+                                                **{**masking, "attn_mask": same_document_mask(document_ids)})
+        cu, longest = runs
+        grads = varlen_backward(*map(packed, (dout, q, k, v, out, lse)), cu, cu, longest, longest, scale=scale,
+                                **_positional(masking))
+        return tuple(unpacked(g, q.shape[0]) for g in grads)
     kernel = _fused_kernel(q, k, v, masking)
     if kernel is not None:
         return kernel.backward(dout, q, k, v, out, lse, scale=scale, **masking)
     return reference.attention_backward(dout, q, k, v, out, lse, scale=scale, **masking)
 
 
-def _varlen_kernel(q, k, v, masking):
-    problem = Problem.of(*(x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)), **masking)
+def _varlen_kernel_of(problem):
     return next((kernel for kernel in FUSED_VARLEN if kernel.supports(problem)), None)
+
+
+def _varlen_kernel(q, k, v, masking):
+    return _varlen_kernel_of(Problem.of(*(x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)), **masking))
 
 
 def select_varlen_kernel(q, k, v, **masking) -> str:

@@ -18,16 +18,17 @@ class Problem:
     windowed: bool
     has_mask: bool  # an arbitrary attn_mask (bool or additive)
     has_key_padding: bool  # a (B, S_k) bool key_padding_mask
+    has_documents: bool  # (B, S) document_ids
     offset: bool  # query and key positions differ, and a causal or window mask depends on it
 
     @classmethod
     def of(cls, q, k, v, *, is_causal=False, window=(-1, -1), attn_mask=None, key_padding_mask=None, q_offset=0,
-           k_offset=0):
+           k_offset=0, document_ids=None):
         """q, k, v: tensors, or anything with their shape, dtype and device."""
         return cls(
             device_type=q.device.type, dtype=q.dtype,
             h_q=q.shape[1], h_kv=k.shape[1], s_q=q.shape[2], s_k=k.shape[2], d_qk=q.shape[-1], d_v=v.shape[-1],
             is_causal=bool(is_causal), windowed=tuple(window) != (-1, -1), has_mask=attn_mask is not None,
-            has_key_padding=key_padding_mask is not None,
+            has_key_padding=key_padding_mask is not None, has_documents=document_ids is not None,
             offset=(bool(is_causal) or tuple(window) != (-1, -1)) and q_offset != k_offset,
         )

@@ -31,9 +31,9 @@ MAX_HEAD_DIM = 256
 
 
 def supports(p: Problem) -> bool:
-    """CUDA on Ampere or newer (bf16 dots), no tensor mask, head dims up to 256."""
+    """CUDA on Ampere or newer (bf16 dots), no tensor mask or document ids, head dims up to 256."""
     return (
-        p.device_type == "cuda" and not p.has_mask and p.dtype in DTYPES
+        p.device_type == "cuda" and not p.has_mask and not p.has_documents and p.dtype in DTYPES
         and p.d_qk <= MAX_HEAD_DIM and p.d_v <= MAX_HEAD_DIM
         and torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
     )

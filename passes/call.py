@@ -27,11 +27,12 @@ class AttentionCall:
     scale: Optional[float] = None
     window: tuple[int, int] = UNBOUNDED
     key_padding_mask: Optional[Node] = None
+    document_ids: Optional[Node] = None
     notes: tuple[str, ...] = ()  # what the passes did to the call, or why they did not
 
     def tensors(self) -> dict:
         named = {"q": self.q, "k": self.k, "v": self.v, "attn_mask": self.attn_mask,
-                 "key_padding_mask": self.key_padding_mask}
+                 "key_padding_mask": self.key_padding_mask, "document_ids": self.document_ids}
         return {name: node for name, node in named.items() if node is not None}
 
     def noted(self, note: str, **changes) -> "AttentionCall":
@@ -56,14 +57,15 @@ def why_invalid(call: AttentionCall) -> Optional[str]:
         if t is None:
             return f"{name} has no traced tensor value"
         traced[name] = t
-    mask, padding = traced.get("attn_mask"), traced.get("key_padding_mask")
+    mask, padding, documents = (traced.get(name) for name in ("attn_mask", "key_padding_mask", "document_ids"))
     if mask is not None and mask.requires_grad:
         return "attn_mask requires grad; the fused op does not differentiate the mask"
     q, v = traced["q"], traced["v"]
     try:
         check_attention_args(*(hinted_meta(traced[n]) for n in ("q", "k", "v")),
                              None if mask is None else hinted_meta(mask), call.window,
-                             None if padding is None else hinted_meta(padding))
+                             None if padding is None else hinted_meta(padding),
+                             None if documents is None else hinted_meta(documents))
     except ValueError as error:
         return str(error)
     replaced = example_tensor(call.anchor)
@@ -75,14 +77,15 @@ def why_invalid(call: AttentionCall) -> Optional[str]:
 def kernel_of(call: AttentionCall) -> str:
     metas = {name: hinted_meta(example_tensor(node)) for name, node in call.tensors().items()}
     return select_kernel(metas["q"], metas["k"], metas["v"], is_causal=call.is_causal, window=call.window,
-                         attn_mask=metas.get("attn_mask"), key_padding_mask=metas.get("key_padding_mask"))
+                         attn_mask=metas.get("attn_mask"), key_padding_mask=metas.get("key_padding_mask"),
+                         document_ids=metas.get("document_ids"))
 
 
 def emit(graph: Graph, call: AttentionCall) -> None:
     """Insert the op before the anchor and make the anchor's users read its output instead."""
     options = {"window_left": call.window[0], "window_right": call.window[1],
-               "key_padding_mask": call.key_padding_mask}
-    defaults = {"window_left": -1, "window_right": -1, "key_padding_mask": None}
+               "key_padding_mask": call.key_padding_mask, "document_ids": call.document_ids}
+    defaults = {"window_left": -1, "window_right": -1, "key_padding_mask": None, "document_ids": None}
     kwargs = {name: value for name, value in options.items() if value != defaults[name]}
     with graph.inserting_before(call.anchor):
         fused = graph.call_function(

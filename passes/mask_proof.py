@@ -3,8 +3,8 @@ evaluated side by side, must agree at every (b, i, j) checked.
 
 Checked: the traced sizes with all keys and all queries (or, past 64 queries, the ones at the
 sequence ends and around the band edges), and again on sizes past every window edge, so that a
-window the traced length never reaches is checked too. Data tensors (the key padding) are read as
-all True and as two pseudo-random patterns; formula and structure read the same values.
+window the traced length never reaches is checked too. Data tensors (key padding, document ids)
+are read as all True and as two pseudo-random patterns; formula and structure read the same values.
 """
 import zlib
 
@@ -45,6 +45,10 @@ def _claimed(structure, index: dict, gather) -> torch.Tensor:
     if structure.key_padding is not None:
         visible = visible & gather(Gather(structure.key_padding, (Affine.index(B), Affine.index(J))),
                                    [index[B], index[J]])
+    if structure.documents is not None:
+        document = [gather(Gather(structure.documents, (Affine.index(B), Affine.index(axis))), [index[B], index[axis]])
+                    for axis in (I, J)]
+        visible = visible & (document[0] == document[1])
     return visible
 
 

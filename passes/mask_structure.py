@@ -6,13 +6,13 @@ Pattern: a mask (bool, or additive ``where(cond, 0, -inf or the dtype's minimum)
     j - i <= r           (``kv <= q + r``: causal when r == 0, a right window edge when r > 0)
     j - i >= -l          (``kv > q - W``: a left window edge, l = W - 1)
     padding[b, j]        (a (B, S_k) bool tensor read at the batch and key index: key padding)
+    ids[b, i] == ids[b, j]  (a (B, S) tensor of document ids: packed documents, run as varlen)
 and of conditions true for every index (``q >= 0``). mask_trace.py reads the mask's subgraph as a
 formula; ``classify`` maps its terms to a Structure, which mask_proof.py checks against the formula
 before anything is rewritten.
 
 Left with their mask (and the reason in the site's notes): masks that read data any other way
-(a mask tensor from outside, a mask that depends on the head), document masks
-(``ids[b, i] == ids[b, j]``: they need varlen attention, not done), ORs of conditions, chunked
+(a mask tensor from outside, a mask that depends on the head), ORs of conditions, chunked
 masks, windows that exclude the query's own position, offsets only known at run time.
 
 Queries that see no key: the op gives 0, as SDPA does for such rows of a bool mask. An additive
@@ -39,6 +39,7 @@ class Structure:
     left: Optional[int] = None  # j >= i - left
     right: Optional[int] = None  # j <= i + right
     key_padding: Optional[Node] = None  # (B, S_k) bool, True = a real key
+    documents: Optional[Node] = None  # (B, S) document ids: a key is seen only from its own document
 
     def __str__(self) -> str:
         parts = []
@@ -50,6 +51,8 @@ class Structure:
             parts.append(f"window_left={self.left}")
         if self.key_padding is not None:
             parts.append(f"key_padding_mask={self.key_padding.name}")
+        if self.documents is not None:
+            parts.append(f"document_ids={self.documents.name}")
         return " + ".join(parts) or "every key visible"
 
 
@@ -98,7 +101,7 @@ def _is_key_padding(atom) -> bool:
 
 def classify(formula) -> Structure:
     left = right = None
-    padding = set()
+    padding, documents = set(), set()
     for atom in conjuncts(formula):
         if isinstance(atom, Number):
             if not atom.value:
@@ -112,7 +115,7 @@ def classify(formula) -> Structure:
         elif isinstance(atom, Gather):
             raise Unsupported(f"the mask reads data, {atom}: only key padding [b, j] is structured")
         elif isinstance(atom, Compare) and _is_document_mask(atom):
-            raise Unsupported(f"document mask '{atom}' needs varlen attention, which is not supported yet")
+            documents.add(atom.left.source)
         elif isinstance(atom, Compare):
             raise Unsupported(f"the mask compares data, '{atom}': only key padding [b, j] is structured")
         else:
@@ -121,9 +124,10 @@ def classify(formula) -> Structure:
         raise Unsupported(f"the mask hides the query's own position and {-right - 1} before it (j <= i - {-right})")
     if left is not None and left < 0:
         raise Unsupported(f"the mask hides the query's own position (j >= i + {-left})")
-    if len(padding) > 1:
-        raise Unsupported(f"two key-padding tensors: {', '.join(sorted(n.name for n in padding))}")
-    return Structure(left, right, next(iter(padding), None))
+    for kind, sources in (("key-padding", padding), ("document-id", documents)):
+        if len(sources) > 1:
+            raise Unsupported(f"two {kind} tensors: {', '.join(sorted(n.name for n in sources))}")
+    return Structure(left, right, next(iter(padding), None), next(iter(documents), None))
 
 
 def _per_token(side) -> Optional[int]:
@@ -147,6 +151,16 @@ def _check_key_padding(node: Node, call: AttentionCall) -> None:
         raise Unsupported(f"key padding {node.name} is modified in place")
 
 
+def _check_documents(node: Node, call: AttentionCall) -> None:
+    ids, q, k = (example_tensor(n) for n in (node, call.q, call.k))
+    if ids.dtype.is_floating_point or not known_shape(ids, (q.shape[0], q.shape[2])) or \
+            not known_shape(k, (*k.shape[:2], q.shape[2], k.shape[3])):
+        raise Unsupported(f"document ids {node.name} are {ids.dtype} {hinted_shape(ids)}, not integer (B, S) with "
+                          f"S_q == S_k")
+    if is_mutated(node):
+        raise Unsupported(f"document ids {node.name} are modified in place")
+
+
 def infer_mask_structure(call: AttentionCall) -> AttentionCall:
     if call.attn_mask is None:
         return call
@@ -155,6 +169,8 @@ def infer_mask_structure(call: AttentionCall) -> AttentionCall:
         structure = classify(formula)
         if structure.key_padding is not None:
             _check_key_padding(structure.key_padding, call)
+        if structure.documents is not None:
+            _check_documents(structure.documents, call)
         q, k = hinted_shape(example_tensor(call.q)), hinted_shape(example_tensor(call.k))
         prove(formula, structure, q[0], q[2], k[2])
     except Unsupported as why:
@@ -167,4 +183,4 @@ def infer_mask_structure(call: AttentionCall) -> AttentionCall:
     if hiding not in (None, -math.inf):
         note += f"; a query that sees no key gets 0, not the mean of v that adding {hiding:.4g} gives"
     return call.noted(note, attn_mask=None, is_causal=right == 0, window=window,
-                      key_padding_mask=structure.key_padding)
+                      key_padding_mask=structure.key_padding, document_ids=structure.documents)

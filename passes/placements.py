@@ -51,7 +51,7 @@ def _is_dtensor(t) -> bool:
 
 
 def _check_positional_masking(node: Node, a: dict, inputs: str) -> None:
-    masking = [name for name in ("attn_mask", "key_padding_mask") if a[name] is not None]
+    masking = [name for name in ("attn_mask", "key_padding_mask", "document_ids") if a[name] is not None]
     if a["q_offset"]:
         masking.append(f"q_offset={a['q_offset']}")
     if masking:

@@ -1,5 +1,5 @@
-"""Masks built from index arithmetic become causal / window / key-padding arguments of the op;
-every other mask stays a tensor, with the reason in the site's notes."""
+"""Masks built from index arithmetic become causal / window / key-padding / document-id arguments
+of the op; every other mask stays a tensor, with the reason in the site's notes."""
 from unittest import mock
 
 import torch
@@ -117,9 +117,9 @@ return (getitem_4)""")
 LEFT = {
     "a mask tensor from outside": (
         lambda q, pad, m: m, "mask kept: the mask reads data, l_data_1_[i, j]: only key padding [b, j] is structured"),
-    "document ids": (
-        lambda q, pad, m: (lambda ids: ids[:, None, :, None] == ids[:, None, None, :])(pad.long().cumsum(-1)),
-        "mask kept: document mask 'cumsum[b, i] == cumsum[b, j]' needs varlen attention, which is not supported yet"),
+    "document ids compared by order": (
+        lambda q, pad, m: (lambda ids: ids[:, None, :, None] >= ids[:, None, None, :])(pad.long().cumsum(-1)),
+        "mask kept: the mask compares data, 'cumsum[b, i] >= cumsum[b, j]': only key padding [b, j] is structured"),
     "OR of conditions (attention sink)": (
         lambda q, pad, m: (torch.arange(24)[:, None] >= torch.arange(24)) | (torch.arange(24) < 2),
         "mask kept: '(j - i <= 0 | j - 1 <= 0)' is not a causal, sliding-window or key-padding condition"),
@@ -146,6 +146,54 @@ LEFT = {
         "mask kept: additive mask where((j - i <= 0 & l_data_0_[b, j]), 0.0, -10000.0) is not where(cond, 0, -inf or "
         "the dtype's minimum)"),
 }
+
+
+def packed_causal(q, k, v, ids):
+    """Packed documents as custom training code masks them: same document, and causal."""
+    i = torch.arange(q.shape[2])
+    same_document = ids[:, None, :, None] == ids[:, None, None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=same_document & (i[None, :] <= i[:, None]),
+                                          enable_gqa=True)
+
+
+def _document_ids(contiguous=True):
+    """Runs of 5, 1, 10 and 8 tokens in row 0, one document in row 1; or ids that come back."""
+    if contiguous:
+        row = torch.repeat_interleave(torch.arange(4), torch.tensor([5, 1, 10, 8]))
+        return torch.stack([row, torch.full((24,), 7)])
+    return torch.stack([torch.arange(24) % 3, torch.arange(24) // 12])
+
+
+class TestDocumentMasks(TestCase):
+    def test_document_ids_reach_the_op_and_the_mask_goes(self):
+        q, k, v, _ = _inputs()
+        graph, sites = rewrite(packed_causal, q, k, v, _document_ids())
+        self.assertExpectedInline(graph, """\
+l_q_ = input
+l_ids_ = input
+l_k_ = input
+l_v_ = input
+attention_default = attn_cp.attention.default(l_q_, l_k_, l_v_, None, True, None, document_ids=l_ids_)
+getitem_4 = getitem(attention_default, 0)
+return (getitem_4)""")
+        self.assertEqual(sites[0].notes, ["mask -> causal + document_ids=l_ids_"])
+        self.assertEqual(sites[0].kernel, "varlen:reference")
+
+    def test_new_sequence_length_reuses_the_graph(self):
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("attn_cp")
+        compiled = torch.compile(packed_causal, backend=counter, dynamic=True)
+        for s in (20, 29, 37):
+            q, k, v, _ = _inputs(s)
+            ids = torch.randint(0, 3, (2, s)).sort(-1).values
+            assert rel_err(compiled(q, k, v, ids), packed_causal(q, k, v, ids)) <= 1e-5
+        self.assertEqual(counter.frame_count, 1)
+
+    def test_contiguous_and_interleaved_documents_match_eager(self):
+        for contiguous in (True, False):
+            with self.subTest(contiguous=contiguous):
+                q, k, v, _ = _inputs()
+                assert_matches_eager(packed_causal, q, k, v, _document_ids(contiguous))
 
 
 class TestLeftMasks(TestCase):

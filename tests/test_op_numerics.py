@@ -26,8 +26,12 @@ def _masks(kind, batch, h_q, s_q, s_k):
     return torch.randn(h_q, s_q, s_k)  # additive, broadcast over the batch
 
 
-def _check(q, k, v, do, *, attn_mask=None, is_causal=False, scale=None, window=(-1, -1), key_padding_mask=None):
-    out, lse = torch.ops.attn_cp.attention(q, k, v, attn_mask, is_causal, scale, *window, key_padding_mask)
+def _check(q, k, v, do, *, attn_mask=None, is_causal=False, scale=None, window=(-1, -1), key_padding_mask=None,
+           document_ids=None):
+    out, lse = torch.ops.attn_cp.attention(q, k, v, attn_mask, is_causal, scale, *window, key_padding_mask, 0,
+                                           document_ids)
+    if document_ids is not None:
+        attn_mask = (document_ids[:, :, None] == document_ids[:, None, :]).unsqueeze(1)
     want = naive_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, window=window,
                            key_padding_mask=key_padding_mask)
     assert out.shape == (*q.shape[:-1], v.shape[-1]) and lse.shape == q.shape[:-1]
@@ -69,6 +73,26 @@ def test_key_padding_with_causal_and_window(heads, is_causal, window):
     keep[1, 31:] = False
     _check(q, k, v, torch.randn(*q.shape[:-1], v.shape[-1]), is_causal=is_causal, window=window,
            key_padding_mask=keep)
+
+
+DOCUMENTS = {  # (B=2, S=40) ids
+    "contiguous runs": torch.stack([torch.repeat_interleave(torch.arange(5), torch.tensor([1, 12, 3, 20, 4])),
+                                    torch.full((40,), 3)]),
+    "ids that come back": torch.stack([torch.arange(40) % 4, torch.arange(40) // 7 % 2]),
+}
+
+
+@pytest.mark.parametrize("documents", list(DOCUMENTS))
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("is_causal,window", [(False, (-1, -1)), (True, (-1, -1)), (True, (6, 0)), (False, (3, 3))])
+@pytest.mark.parametrize("heads", ["gqa", "gqa_mla"])
+def test_document_ids(heads, is_causal, window, padded, documents):
+    """Contiguous runs run as one packed varlen call (key padding aside), ids that come back as a mask."""
+    torch.manual_seed(6)
+    q, k, v = make_qkv(heads, s_q=40)
+    keep = torch.arange(40).expand(2, 40) < torch.tensor([[40], [33]]) if padded else None
+    _check(q, k, v, torch.randn(*q.shape[:-1], v.shape[-1]), is_causal=is_causal, window=window,
+           key_padding_mask=keep, document_ids=DOCUMENTS[documents])
 
 
 @pytest.mark.parametrize("s_q,s_k", [(1, 1), (1, 37), (37, 5), (20, 50)])

@@ -40,6 +40,20 @@ CASES = {
     "key_padding_dtype": (lambda: (*_qkv(), None, True, None, -1, -1, torch.ones(2, 16)),
                           "key_padding_mask must be bool of shape (batch, S_k) = (2, 16) (True = a real key); "
                           "got torch.float32 of shape (2, 16)"),
+    "document_ids_shape": (lambda: (*_qkv(), None, True, None, -1, -1, None, 0, torch.zeros(2, 15, dtype=torch.long)),
+                           "document_ids must be integer or bool of shape (batch, S) = (2, 16); got torch.int64 of "
+                           "shape (2, 15)"),
+    "document_ids_dtype": (lambda: (*_qkv(), None, True, None, -1, -1, None, 0, torch.zeros(2, 16)),
+                           "document_ids must be integer or bool of shape (batch, S) = (2, 16); got torch.float32 of "
+                           "shape (2, 16)"),
+    "document_ids_lengths": (lambda: (*_qkv(s_k=20), None, True, None, -1, -1, None, 0,
+                                      torch.zeros(2, 16, dtype=torch.long)),
+                             "document_ids need queries and keys at the same positions (S_q == S_k, q_offset=0); "
+                             "got S_q=16, S_k=20, q_offset=0"),
+    "document_ids_with_mask": (lambda: (*_qkv(), torch.ones(16, 16, dtype=torch.bool), False, None, -1, -1, None, 0,
+                                        torch.zeros(2, 16, dtype=torch.long)),
+                               "document_ids cannot be combined with attn_mask; fold the documents into the mask or "
+                               "drop the mask"),
     "head_dim": (lambda: (torch.randn(2, 8, 16, 32), *_qkv()[1:]),
                  "q and k must have the same head dim; got q=32, k=24"),
     "batch": (lambda: (torch.randn(3, 8, 16, 24), *_qkv()[1:]),
