@@ -7,8 +7,9 @@ differentiable. Masks (all that are given are ANDed): ``is_causal`` (SDPA's top-
 ``window_left``/``window_right`` (query i sees keys i-left..i+right, -1 unbounded), ``attn_mask``
 (bool or additive, broadcast to (B, h_q, S_q, S_k)), ``key_padding_mask`` ((B, S_k) bool,
 True = a real key) and ``document_ids`` ((B, S) ids of packed documents, S_q == S_k: query i sees
-key j only when their ids are equal). ``q_offset`` shifts the queries' positions for the causal and window masks: a
-query shard at global offset q_offset attends to keys numbered from 0. Kernel choice happens below, in ``attn_compile.kernels.dispatch``.
+key j only when their ids are equal). ``q_offset`` shifts the queries' positions for the causal
+and window masks: a query shard at global offset q_offset attends to keys numbered from 0. Kernel
+choice happens below, in ``attn_compile.kernels.dispatch``.
 """
 from typing import Optional
 
