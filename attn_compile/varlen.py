@@ -19,6 +19,7 @@ from .cp.api import context_parallel_attention, window_pair
 from .cp.comm import cp_size, process_groups
 from .cp.documents import check_cu_seqlens, cu_seqlens_error
 from .kernels import varlen_backward as _kernel_backward
+from .kernels.documents import packed, unpacked
 from .kernels import varlen_forward as _kernel_forward
 from .kernels.reference import lse_dtype
 from .ops import default_scale
@@ -139,7 +140,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
         if x.dim() != 3:
             raise ValueError(f"{name} must be 3-D (total_tokens, heads, dim); got shape {tuple(x.shape)}")
     out, lse = context_parallel_attention(
-        *(x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)), group=group, strategy=strategy, is_causal=is_causal,
+        *(unpacked(x, 1) for x in (q, k, v)), group=group, strategy=strategy, is_causal=is_causal,
         scale=scale, layout=layout, return_lse=True, window=window, cu_seqlens=cu_seqlens_q, max_seqlen=max_seqlen_q)
-    out, lse = out[0].transpose(0, 1), lse[0].transpose(0, 1)
+    out, lse = packed(out), packed(lse)
     return (out, lse) if return_lse else out

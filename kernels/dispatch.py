@@ -98,7 +98,7 @@ def _varlen_kernel_of(problem):
 
 
 def _varlen_kernel(q, k, v, masking):
-    return _varlen_kernel_of(Problem.of(*(x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)), **masking))
+    return _varlen_kernel_of(Problem.of(*(unpacked(x, 1) for x in (q, k, v)), **masking))
 
 
 def select_varlen_kernel(q, k, v, **masking) -> str:

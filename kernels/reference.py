@@ -9,6 +9,7 @@ import itertools
 
 import torch
 
+from .documents import packed, unpacked
 from .visibility import Visibility, classify, effective_window, visible
 
 BLOCK = 256
@@ -94,7 +95,7 @@ def attention_backward(dout, q, k, v, out, lse, *, scale, is_causal=False, windo
     """Gradients (dq, dk, dv) given the final out and lse; works per key block, so a ring step
     can pass the merged out/lse of all steps and get exactly its share of the gradients."""
     blocks = _Blocks(q, k, scale, is_causal, window, attn_mask, key_padding_mask, q_offset, k_offset)
-    b, h_kv, g, s_q = blocks.b, blocks.h_kv, blocks.g, blocks.s_q
+    h_kv, g, s_q = blocks.h_kv, blocks.g, blocks.s_q
     acc = blocks.acc
     q_rows = _grouped(q, h_kv, acc)
     do_rows = _grouped(dout, h_kv, acc)
@@ -116,15 +117,15 @@ def attention_backward(dout, q, k, v, out, lse, *, scale, is_causal=False, windo
     return dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _documents(cu_seqlens_q, cu_seqlens_k):
+def _document_rows(cu_seqlens_q, cu_seqlens_k):
     """(query rows, key rows) of each document."""
     bounds = [list(itertools.pairwise(cu.tolist())) for cu in (cu_seqlens_q, cu_seqlens_k)]
     return [(slice(*q), slice(*k)) for q, k in zip(*bounds)]
 
 
 def _dense(x):
-    """A document's (L, H, D) rows as a (1, H, L, D) view."""
-    return x.transpose(0, 1).unsqueeze(0)
+    """A document's (L, H, ...) rows as a batch of one, (1, H, L, ...)."""
+    return unpacked(x, 1)
 
 
 def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale, is_causal=False,
@@ -132,22 +133,22 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     """Packed documents (total, H, D), one call per document: out (total_q, h_q, d_v), lse (total_q, h_q)."""
     out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
     lse = q.new_full(q.shape[:-1], float("-inf"), dtype=lse_dtype(q.dtype))
-    for q_rows, k_rows in _documents(cu_seqlens_q, cu_seqlens_k):
+    for q_rows, k_rows in _document_rows(cu_seqlens_q, cu_seqlens_k):
         part_out, part_lse = attention_forward(_dense(q[q_rows]), _dense(k[k_rows]), _dense(v[k_rows]), scale=scale,
                                                is_causal=is_causal, window=window)
-        out[q_rows], lse[q_rows] = part_out[0].transpose(0, 1), part_lse[0].transpose(0, 1)
+        out[q_rows], lse[q_rows] = packed(part_out), packed(part_lse)
     return out, lse
 
 
 def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale,
                     is_causal=False, window=(-1, -1)):
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for q_rows, k_rows in _documents(cu_seqlens_q, cu_seqlens_k):
+    for q_rows, k_rows in _document_rows(cu_seqlens_q, cu_seqlens_k):
         grads = attention_backward(_dense(dout[q_rows]), _dense(q[q_rows]), _dense(k[k_rows]), _dense(v[k_rows]),
-                                   _dense(out[q_rows]), lse[q_rows].transpose(0, 1).unsqueeze(0), scale=scale,
-                                   is_causal=is_causal, window=window)
+                                   _dense(out[q_rows]), _dense(lse[q_rows]), scale=scale, is_causal=is_causal,
+                                   window=window)
         for acc, rows, grad in zip((dq, dk, dv), (q_rows, k_rows, k_rows), grads):
-            acc[rows] = grad[0].transpose(0, 1)
+            acc[rows] = packed(grad)
     return dq, dk, dv
 
 

@@ -53,23 +53,24 @@ def sharding_of(q, groups, layout: str, cu_seqlens=None):
     return document_sharding(tuple(cu_seqlens.tolist()), cp_size(groups), layout)
 
 
-def _documents_error(q, groups, layout, cu_seqlens, values, max_seqlen):
-    """Why packed shards q cannot be the shards of the documents ``cu_seqlens`` (whose ``values``
-    are given) describes, or None."""
+def _packed_sharding(q, groups, layout, cu_seqlens, values, max_seqlen):
+    """(the DocumentSharding of the documents ``cu_seqlens`` (with these ``values``) describes, why
+    the packed shards q cannot be its shards or None): the sharding is None where the values are bad."""
     try:
         check_cu_seqlens("cu_seqlens", cu_seqlens)
     except ValueError as error:
-        return str(error)
+        return None, str(error)
     if q.shape[0] != 1:
-        return f"packed documents come as one batch entry: q.shape[0] must be 1; got {q.shape[0]}"
+        return None, f"packed documents come as one batch entry: q.shape[0] must be 1; got {q.shape[0]}"
     error = cu_seqlens_error("cu_seqlens", values, values[-1], "", max_seqlen, "max_seqlen")
     if error:
-        return error
-    expected = document_sharding(tuple(values), cp_size(groups), layout).local_len(cp_rank(groups))
+        return None, error
+    sharding = document_sharding(tuple(values), cp_size(groups), layout)
+    expected = sharding.local_len(cp_rank(groups))
     if q.shape[2] != expected:
-        return (f"q, k, v hold {q.shape[2]} tokens on rank {cp_rank(groups)}, but cu_seqlens gives this rank "
-                f"{expected} (shard the batch with shard_varlen)")
-    return None
+        return sharding, (f"q, k, v hold {q.shape[2]} tokens on rank {cp_rank(groups)}, but cu_seqlens gives this "
+                          f"rank {expected} (shard the batch with shard_varlen)")
+    return sharding, None
 
 
 def check_inputs(q, k, v, groups, *, layout: str, window, head_split: int = 1, strategy: str, packed: bool) -> None:
@@ -93,13 +94,15 @@ def check_call(q, k, v, groups, *, strategy: str, scale: float, is_causal: bool,
     """Everything a context-parallel op checks before its first collective; returns ``sharding_of``."""
     options = dict(strategy=strategy, scale=scale, is_causal=is_causal, layout=layout, window=tuple(window))
     packed = cu_seqlens is not None
-    if packed:
+    if packed:  # the values are read once: on a GPU each read is a device sync
         values = cu_seqlens.tolist()
         options["cu_seqlens"] = f"{len(values) - 1} documents, crc {zlib.crc32(str(values).encode()):08x}"
-        options["problem"] = _documents_error(q, groups, layout, cu_seqlens, values, max_seqlen)
+        sharding, options["problem"] = _packed_sharding(q, groups, layout, cu_seqlens, values, max_seqlen)
+    else:
+        sharding = sharding_of(q, groups, layout)
     check_same_on_all_ranks(groups, q, k, v, packed, **options)
     if packed and options["problem"]:
         raise ValueError(options["problem"])
     check_inputs(q, k, v, groups, layout=layout, window=tuple(window), head_split=head_split, strategy=strategy,
                  packed=packed)
-    return sharding_of(q, groups, layout, cu_seqlens)
+    return sharding

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from attn_compile.kernels import attention_backward, attention_forward, varlen_backward, varlen_forward
+from attn_compile.kernels.documents import packed, unpacked
 
 from .checks import check_call, sharding_of
 from .comm import all_to_all_stacked, resolve
@@ -62,15 +63,6 @@ def exchange_backward(dout, q, k, v, out, lse, group, sharding, attend_backward)
     return dq, dk.unflatten(1, (-1, repeats)).sum(2), dv.unflatten(1, (-1, repeats)).sum(2)
 
 
-def _packed(x):
-    """(1, H, T, ...) -> (T, H, ...): the whole batch of packed documents as the varlen kernels take it."""
-    return x[0].transpose(0, 1)
-
-
-def _unpacked(x):
-    return x.transpose(0, 1).unsqueeze(0)
-
-
 def whole_sequence_attention(sharding, scale, is_causal, window):
     """(forward, backward) of attention over the whole sequence, or whole batch of documents."""
     masking = dict(scale=scale, is_causal=is_causal, window=window)
@@ -81,14 +73,14 @@ def whole_sequence_attention(sharding, scale, is_causal, window):
 
     def forward(q, k, v):
         cu = documents[0].to(q.device)
-        out, lse = varlen_forward(*map(_packed, (q, k, v)), cu, cu, documents[1], documents[1], **masking)
-        return _unpacked(out), _unpacked(lse)
+        out, lse = varlen_forward(*map(packed, (q, k, v)), cu, cu, documents[1], documents[1], **masking)
+        return unpacked(out, 1), unpacked(lse, 1)
 
     def backward(dout, q, k, v, out, lse):
         cu = documents[0].to(q.device)
-        grads = varlen_backward(*map(_packed, (dout, q, k, v, out, lse)), cu, cu, documents[1], documents[1],
+        grads = varlen_backward(*map(packed, (dout, q, k, v, out, lse)), cu, cu, documents[1], documents[1],
                                 **masking)
-        return tuple(map(_unpacked, grads))
+        return tuple(unpacked(g, 1) for g in grads)
 
     return forward, backward
 
