@@ -4,9 +4,10 @@ Each mesh dim is read on its own:
 - all three ``Replicate``: nothing to do on that dim;
 - all three ``Shard(0)`` (batch) or ``Shard(1)`` (heads): every rank attends its own part;
 - q ``Shard(1)`` with k, v ``Replicate`` (GQA tensor parallel, h_kv < mesh size): every rank takes
-  the KV heads its query heads use;
+  the KV heads its query heads use; on one mesh dim, and no other dim may split the heads of all three;
 - all three ``Shard(2)`` (sequence): context parallelism over that dim; two such dims: hybrid;
-- q ``Shard(2)`` with k, v ``Replicate``: the local queries attend to all keys at their global offset.
+- q ``Shard(2)`` with k, v ``Replicate``: the local queries attend to all keys at their global offset;
+  on one mesh dim, and none with context parallelism.
 Anything else raises a ValueError that names every placement and says how to fix it. The plan
 depends only on global shapes, placements and options, so every rank makes the same one.
 """
@@ -58,7 +59,8 @@ def _mismatch(q, k, v, mesh, fix: str) -> ValueError:
 def _kind(p) -> str:
     if isinstance(p, Replicate):
         return "replicate"
-    if isinstance(p, Shard) and p.dim in (BATCH, HEADS, SEQ):
+    # exactly Shard: older torch derives _StridedShard (shards in a non-default order) from it
+    if type(p) is Shard and p.dim in (BATCH, HEADS, SEQ):
         return ("batch", "heads", "seq")[p.dim]
     return "other"
 
@@ -70,20 +72,22 @@ def plan(q, k, v, *, is_causal: bool, window=(-1, -1), strategy: str = "auto",
     if k.device_mesh != mesh or v.device_mesh != mesh:
         raise ValueError(f"q, k, v must be on one device mesh; got q on {_mesh_name(mesh)}, k on "
                          f"{_mesh_name(k.device_mesh)}, v on {_mesh_name(v.device_mesh)}")
-    cp_dims, fields = [], {}
+    cp_dims, head_dims, fields = [], [], {}
     for dim in range(mesh.ndim):
         kinds = tuple(_kind(t.placements[dim]) for t in (q, k, v))
         if kinds[1] != kinds[2]:
             raise _mismatch(q, k, v, mesh, f"Redistribute v to {_name([k.placements[dim]])} on mesh dim {dim}, "
                                            f"or k to {_name([v.placements[dim]])}.")
-        if kinds in (("replicate",) * 3, ("batch",) * 3, ("heads",) * 3):
+        if kinds == ("heads",) * 3:
+            head_dims.append(dim)
+        elif kinds in (("replicate",) * 3, ("batch",) * 3):
             continue
-        if kinds == ("seq",) * 3:
+        elif kinds == ("seq",) * 3:
             cp_dims.append(dim)
         elif kinds == ("seq", "replicate", "replicate"):
-            fields["q_seq_dim"] = dim
+            _set_q_only_split(fields, "q_seq_dim", dim, q, k, v, mesh)
         elif kinds == ("heads", "replicate", "replicate"):
-            fields["kv_head_dim"] = dim
+            _set_q_only_split(fields, "kv_head_dim", dim, q, k, v, mesh)
         elif "other" in kinds:
             raise ValueError(f"q, k, v placements must be Replicate or Shard on the batch (0), head (1) or sequence "
                              f"(2) dim; got q={_name(q.placements)}, k={_name(k.placements)}, "
@@ -96,6 +100,11 @@ def plan(q, k, v, *, is_causal: bool, window=(-1, -1), strategy: str = "auto",
         raise ValueError(f"the sequence may be sharded over at most two mesh dims, for q, k and v alike; got "
                          f"q={_name(q.placements)}, k={_name(k.placements)}, v={_name(v.placements)} on "
                          f"{_mesh_name(mesh)}")
+    if head_dims and fields.get("kv_head_dim") is not None:
+        raise ValueError(f"q's heads may be split against replicated k, v (GQA tensor parallel) only where no other "
+                         f"mesh dim splits the heads of q, k and v; got q={_name(q.placements)}, "
+                         f"k={_name(k.placements)}, v={_name(v.placements)} on {_mesh_name(mesh)}. Redistribute k "
+                         f"and v to Shard(dim=1) on mesh dim {fields['kv_head_dim']} too, or q to Replicate() there.")
     _check_divisible(q, k, mesh, cp_dims, fields)
     if not cp_dims:
         return Plan(**fields)
@@ -104,6 +113,18 @@ def plan(q, k, v, *, is_causal: bool, window=(-1, -1), strategy: str = "auto",
                                            is_causal=is_causal, window=window, mesh_shape=mesh_shape)
     best, table = cost_model.choose(problem, hardware, strategy)
     return Plan(cp_dims=tuple(cp_dims), strategy=best, table=table, **fields)
+
+
+def _set_q_only_split(fields: dict, field: str, dim: int, q, k, v, mesh) -> None:
+    """A split of q alone (k, v replicated) is planned on one mesh dim: its local offset (sequence) or
+    KV head slice (heads) is read from that dim's rank."""
+    if field in fields:
+        what, placement = ("sequence", "Shard(dim=2)") if field == "q_seq_dim" else ("heads", "Shard(dim=1)")
+        raise ValueError(f"q's {what} may be split against replicated k, v over one mesh dim only; got it split over "
+                         f"mesh dims {fields[field]} and {dim}: q={_name(q.placements)}, k={_name(k.placements)}, "
+                         f"v={_name(v.placements)} on {_mesh_name(mesh)}. Redistribute q to Replicate() on one of "
+                         f"them, or k and v to {placement} on both.")
+    fields[field] = dim
 
 
 def _check_divisible(q, k, mesh, cp_dims, fields) -> None:

@@ -5,6 +5,8 @@ each, and re-raises a failure of any rank in the parent with that rank's traceba
 fails too: collectives time out after ``timeout`` seconds, and the whole run is killed after
 the same time, so put many cases in one call to pay the start-up once. ``run_ranks`` runs the
 same way but returns how each rank fared instead, for tests where some ranks are meant to fail.
+``run_on_gpus(fn, *args)`` is ``run_distributed`` with one process per visible GPU, joined in an
+NCCL group, rank r on cuda:r.
 """
 import datetime
 import json
@@ -19,14 +21,18 @@ import torch.multiprocessing as mp
 TIMEOUT = 120.0
 
 
-def _join(rank, world, store_path, timeout):
-    torch.set_num_threads(1)  # several ranks share few cores: more threads only contend (10-100x slower)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout))
+def _join(rank, world, store_path, timeout, backend="gloo"):
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(1)  # several ranks share few cores: more threads only contend (10-100x slower)
+    dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout),
+                            **({"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}))
 
 
-def _entry(rank, world, store_path, timeout, fn, args):
-    _join(rank, world, store_path, timeout)
+def _entry(rank, world, store_path, timeout, backend, fn, args):
+    _join(rank, world, store_path, timeout, backend)
     try:
         fn(rank, world, *args)
         dist.barrier()
@@ -34,9 +40,9 @@ def _entry(rank, world, store_path, timeout, fn, args):
         dist.destroy_process_group()
 
 
-def run_distributed(fn, world: int, *args, timeout: float = TIMEOUT) -> None:
+def run_distributed(fn, world: int, *args, timeout: float = TIMEOUT, backend: str = "gloo") -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        context = mp.start_processes(_entry, args=(world, os.path.join(tmp, "store"), timeout, fn, args),
+        context = mp.start_processes(_entry, args=(world, os.path.join(tmp, "store"), timeout, backend, fn, args),
                                      nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
         while not context.join(timeout=max(deadline - time.monotonic(), 0.0)):
@@ -44,6 +50,14 @@ def run_distributed(fn, world: int, *args, timeout: float = TIMEOUT) -> None:
                 for process in context.processes:
                     process.kill()
                 raise TimeoutError(f"{fn.__name__} did not finish on {world} processes within {timeout:.0f} s")
+
+
+def run_on_gpus(fn, *args, timeout: float = TIMEOUT) -> None:
+    """run_distributed with one process per visible GPU, in an NCCL group, rank r on cuda:r."""
+    world = torch.cuda.device_count()
+    if world == 0:
+        raise RuntimeError(f"run_on_gpus({fn.__name__}) needs a CUDA device; none is visible")
+    run_distributed(fn, world, *args, timeout=timeout, backend="nccl")
 
 
 def _reporting_entry(rank, world, store_path, timeout, report_dir, fn, args):
@@ -88,3 +102,4 @@ def run_ranks(fn, world: int, *args, timeout: float = TIMEOUT) -> list:
             else:
                 reports.append({"exitcode": process.exitcode})
         return reports
+

@@ -2,13 +2,29 @@
 each placement combination compiled with backend="attn_cp", forward and backward against the
 unsharded float64 oracle, on real gloo processes; the rewritten graph; compile-time errors.
 
-DTensor cases are non-causal and on 1-D meshes: on the CPU, torch 2.13's dynamo cannot trace
-DTensor SDPA when it is causal (the math fallback mixes a plain mask tensor into DTensor ops) or
-on a 2-D mesh (unbacked symbols in the fake trace), so it fails before any backend runs. Causal
-attention and the 2-D (hybrid) mesh are covered through options["mesh"] on plain shards."""
+Covered here, on the CPU: non-causal DTensor SDPA on 1-D meshes (world 2 and 4) and on a 2x2
+("dp", "cp") mesh: data-parallel Shard(0) or Replicate passing through context parallelism, the
+sequence sharded over both dims (hybrid), a q-only sequence split next to a data-parallel dim.
+Causal attention and windows run on plain sequence shards through options["mesh"], on a 1-D and
+a 2-D (hybrid) mesh. tests/test_gpu_placements.py covers causal DTensor SDPA on CUDA with NCCL.
+
+Not covered, because torch 2.13's DTensor fails on the CPU before any backend runs:
+- causal DTensor SDPA: with d_qk == d_v SDPA takes aten._scaled_dot_product_flash_attention_for_cpu
+  ("Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding
+  strategy registered"); otherwise the math fallback adds its causal mask, a plain tensor
+  ("aten.add.Tensor got mixed torch.Tensor and DTensor"), and dynamo's fake trace fails alike;
+- on a 2-D mesh, heads split (Shard(1)) on either dim: SDPA's math decomposition flattens
+  (batch, heads), DTensor describes that as _StridedShard, and while costing redistributions it
+  calls _StridedShard.local_shard_size_and_offset (torch/distributed/tensor/placement_types.py),
+  whose sharded_indices[rank].tolist() makes unbacked SymInts under dynamo's FakeTensorMode:
+  "PendingUnbackedSymbolNotFound: Pending unbacked symbols {u0, ...} not in returned outputs"
+  (or, for Shard(1) on both dims, "Cannot unflatten tensor with _StridedShard placement"). Eager
+  DTensor runs these; see pytorch/pytorch#184945 for the same .tolist() in view sharding.
+"""
 import os
 import tempfile
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -19,6 +35,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 import attn_compile
 import attn_compile.backend as backend
 from attn_compile.cp.layout import shard_sequence, unshard_sequence
+from attn_compile.planner import plan
 from dist_harness import run_distributed
 from graphs import normalized
 from oracle import naive_attention, rel_err
@@ -71,6 +88,32 @@ def test_placements_world_2():
 
 def test_placements_world_4():
     run_distributed(_placement_cases, 4)
+
+
+def _two_dim_mesh_cases(rank, world):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    dp_cp, seq_both = [Shard(0), Shard(2)], [Shard(2), Shard(2)]
+    cases = [(dp_cp, dp_cp, "auto"), (dp_cp, dp_cp, "ulysses"),  # data parallel passes through
+             ([Replicate(), Shard(2)], [Replicate(), Shard(2)], "ring"),
+             ([Shard(2), Shard(0)], [Shard(2), Shard(0)], "allgather"),
+             (seq_both, seq_both, "auto"), (seq_both, seq_both, "hybrid"),
+             (dp_cp, [Shard(0), Replicate()], "auto"), ([Replicate(), Shard(2)], [Replicate()] * 2, "auto")]
+    for seed, (q_pl, kv_pl, strategy) in enumerate(cases):
+        _check_case(mesh, q_pl, kv_pl, False, seed, strategy=strategy)
+    q, k, v, _ = _inputs(0)
+    replicated = [Replicate()] * 2
+    with pytest.raises(ValueError, match=r"^q's sequence may be split against replicated k, v over one mesh dim only"):
+        plan(*(distribute_tensor(x, mesh, pl) for x, pl in ((q, seq_both), (k, replicated), (v, replicated))),
+             is_causal=True)
+    heads_both, heads_then_replicated = [Shard(1)] * 2, [Shard(1), Replicate()]
+    with pytest.raises(ValueError, match=r"^q's heads may be split against replicated k, v \(GQA tensor parallel\) "
+                                         r"only where no other mesh dim splits the heads of q, k and v"):
+        plan(*(distribute_tensor(x, mesh, pl)
+               for x, pl in ((q, heads_both), (k, heads_then_replicated), (v, heads_then_replicated))), is_causal=True)
+
+
+def test_two_dim_mesh_data_parallel_passes_through_and_two_sequence_dims_run_hybrid():
+    run_distributed(_two_dim_mesh_cases, 4)
 
 
 def windowed_sdpa(q, k, v, is_causal):
@@ -168,7 +211,7 @@ ValueError: q, k, v must be sharded the same way on batch and sequence dims; got
 ValueError: q, k, v must be sharded the same way on batch and sequence dims; got q=(Replicate(),), k=(Shard(dim=2),), v=(Shard(dim=2),) on mesh 'cp' (size 2). Redistribute q to (Shard(dim=2),) on mesh dim 0, or k and v to (Replicate(),).""")
         self.assertExpectedInline(report, """\
 attn_compile: 1 attention site(s), 1 rewritten, 0 left as is
-  [0] test_placements.py:31: q(2, 8, 16, 24) k(2, 2, 16, 24) v(2, 2, 16, 16) -> attn_cp.attention [reference]
+  [0] test_placements.py:48: q(2, 8, 16, 24) k(2, 2, 16, 24) v(2, 2, 16, 16) -> attn_cp.attention [reference]
 distributed by placements (cost-model estimates, fwd + bwd):
   attention_default: q=(Shard(dim=2),), k=(Shard(dim=2),), v=(Shard(dim=2),) -> context parallel over mesh dim(s) [0]: allgather
       ring: 210.1 us (compute 0.001043 us, transfer 0.0502 us, memory 0.01465 MiB)
