@@ -60,6 +60,18 @@ def _inner_compile(gm, example_inputs, inner: str, mode):
     return compile_fx(gm, example_inputs, config_patches=patches)
 
 
+def _may_compile_unchanged(opts) -> bool:
+    """Whether a failed rewrite may fall back to the graph as dynamo gave it: not when strict, nor
+    with a mesh, where the unchanged graph would attend to one rank's keys only."""
+    return not opts["strict"] and opts["mesh"] is None
+
+
+def _compile_unchanged(gm, example_inputs, opts, mode, failed: str):
+    warnings.warn(f"attn_compile: {failed}; this graph is compiled unchanged (options={{'strict': True}} re-raises)",
+                  stacklevel=3)
+    return _inner_compile(gm, example_inputs, opts["inner"], mode)
+
+
 def attn_cp(gm, example_inputs, *, mode=None, options=None):
     """torch.compile backend; ``options`` keys and defaults are in ``DEFAULT_OPTIONS``."""
     opts = parse_options(options)
@@ -68,11 +80,16 @@ def attn_cp(gm, example_inputs, *, mode=None, options=None):
     try:
         sites = rewrite_attention(candidate)
     except PassFailure as failure:
-        if opts["strict"] or opts["mesh"] is not None:  # with a mesh, the unchanged graph would be wrong
+        if not _may_compile_unchanged(opts):
             raise
-        warnings.warn(f"attn_compile: the attention passes failed {failure}; this graph is compiled unchanged "
-                      f"(options={{'strict': True}} re-raises)", stacklevel=2)
-        return _inner_compile(gm, example_inputs, opts["inner"], mode)
+        return _compile_unchanged(gm, example_inputs, opts, mode, f"the attention passes failed {failure}")
     distribute_attention(candidate, sites, mesh=opts["mesh"], layout=opts["layout"], strategy=opts["strategy"],
                          hardware=opts["hardware"])
-    return _inner_compile(candidate, example_inputs, opts["inner"], mode)
+    try:
+        return _inner_compile(candidate, example_inputs, opts["inner"], mode)
+    except Exception as error:  # e.g. Inductor's flex_attention lowering finding no kernel for a shape
+        if not _may_compile_unchanged(opts) or not any(site.rewritten for site in sites):
+            raise
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        return _compile_unchanged(gm, example_inputs, opts, mode, f"{opts['inner']} failed on the rewritten graph "
+                                                                  f"({type(error).__name__}: {first_line})")

@@ -3,7 +3,8 @@
 Each node, in graph order, is offered to the finders: an SDPA call (sdpa.py) or hand-written
 softmax attention (matmul_softmax.py). A site found is an AttentionCall (call.py), which each
 refinement in turn may improve: drop a repeat_kv copy of k and v (repeat_kv.py), turn an index-built
-mask into causal/window/key-padding arguments (mask_structure.py), drop ``.contiguous()`` copies of
+mask into causal/window/key-padding arguments (mask_structure.py) or, outside those classes, into a
+flex_attention mask_mod (flex_mask.py), drop ``.contiguous()`` copies of
 q, k, v (layouts.py). The refinements are independent, so their order is only the order of the
 site's notes. The final call is checked against the op's argument rules and emitted in place of
 the site; the nodes it no longer needs (the mask, the copies, the softmax chain) are erased. A site
@@ -15,6 +16,7 @@ from torch.fx import GraphModule
 
 from . import matmul_softmax, sdpa
 from .call import AttentionCall, Left, emit, kernel_of, why_invalid
+from .flex_mask import emit_flex
 from .layouts import drop_contiguous_copies
 from .mask_structure import infer_mask_structure
 from .nodes import erase_unused
@@ -50,15 +52,26 @@ def _rewrite(graph, found: AttentionCall) -> Site:
         calls.append(refine(calls[-1]))
     call = calls[-1]
     made = [node for c in calls for node in c.tensors().values()]
-    reason = why_invalid(call)
+    reason = why_invalid(call) or _slower_than_as_is(call)
     if reason is not None:
         return _left(graph, Left(found.anchor, reason, found.tensors()), made)
+    flex = call.flex_mask is not None
     site = Site(found.anchor.name, location_of(found.anchor), _shapes(call.tensors()), rewritten=True,
-                op="attn_cp.attention", kernel=kernel_of(call), notes=list(call.notes))
+                op="flex_attention" if flex else "attn_cp.attention", kernel=kernel_of(call), notes=list(call.notes))
     inputs = found.anchor.all_input_nodes
-    emit(graph, call)
+    (emit_flex if flex else emit)(graph, call)
     erase_unused(graph, made + inputs)
     return site
+
+
+def _slower_than_as_is(call: AttentionCall):
+    """On CUDA no fused kernel of the op takes a tensor mask, so the op would run its reference
+    kernel, while the site as it is runs fused (SDPA's masked kernels) or as Inductor's code."""
+    q = example_tensor(call.q)
+    if call.attn_mask is not None and q is not None and q.device.type == "cuda":
+        return ("its mask stays a tensor, which on CUDA the op runs only on its reference kernel; as it is, "
+                "the site runs on SDPA's or Inductor's fused code")
+    return None
 
 
 def _find(node):

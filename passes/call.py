@@ -1,5 +1,5 @@
-"""One attention call on its way to ``attn_cp.attention``: the op's arguments as graph nodes and
-constants. Finders create it, refinements replace its fields, and it is checked against the op's
+"""One attention call on its way to ``attn_cp.attention`` (or, with a flex_mask, to flex_attention):
+the op's arguments as graph nodes and constants. Finders create it, refinements replace its fields, and it is checked against the op's
 own argument rules before it is emitted, so a call the op would reject is left as it was."""
 import dataclasses
 import operator
@@ -28,11 +28,13 @@ class AttentionCall:
     window: tuple[int, int] = UNBOUNDED
     key_padding_mask: Optional[Node] = None
     document_ids: Optional[Node] = None
+    flex_mask: Optional[object] = None  # a flex_mask.FlexMask: the call goes to flex_attention, not the op
     notes: tuple[str, ...] = ()  # what the passes did to the call, or why they did not
 
     def tensors(self) -> dict:
         named = {"q": self.q, "k": self.k, "v": self.v, "attn_mask": self.attn_mask,
                  "key_padding_mask": self.key_padding_mask, "document_ids": self.document_ids}
+        named.update({node.name: node for node in (self.flex_mask.data if self.flex_mask is not None else ())})
         return {name: node for name, node in named.items() if node is not None}
 
     def noted(self, note: str, **changes) -> "AttentionCall":
@@ -75,6 +77,8 @@ def why_invalid(call: AttentionCall) -> Optional[str]:
 
 
 def kernel_of(call: AttentionCall) -> str:
+    if call.flex_mask is not None:
+        return "block mask"
     metas = {name: hinted_meta(example_tensor(node)) for name, node in call.tensors().items()}
     return select_kernel(metas["q"], metas["k"], metas["v"], is_causal=call.is_causal, window=call.window,
                          attn_mask=metas.get("attn_mask"), key_padding_mask=metas.get("key_padding_mask"),

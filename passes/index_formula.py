@@ -4,13 +4,16 @@ A mask broadcast to (B, H, S_q, S_k) holds one value per index (b, h, i, j). Axe
 their position from the right (-1 = j, -2 = i, -3 = h, -4 = b), the way broadcasting aligns them,
 so a formula keeps its meaning when its tensor is broadcast or expanded.
 
-- Integer values are affine in the indices (``Affine``): aranges, offsets, sums, constant multiples.
+- Integer values are affine in the indices (``Affine``): aranges, offsets, sums, constant multiples;
+  or an affine value floor-divided by, or taken modulo, a positive constant (``Division``: chunked
+  and strided masks).
 - Boolean values are formulas: ``Le`` (affine <= 0), ``Eq`` (affine == 0), ``And``, ``Or``, ``Not``,
   constants, ``Gather`` (an element of a tensor whose values are data, e.g. ``attention_mask[b, j]``)
   and ``Compare`` (a comparison involving such elements, e.g. document ids).
 - Numeric masks are ``Select(cond, a, b)`` of two constants (``torch.where``).
 """
 import dataclasses
+import functools
 import math
 import operator
 from typing import Callable, Union
@@ -66,6 +69,19 @@ class Affine:
         if self.constant or not terms:
             terms.append(str(self.constant))
         return " + ".join(terms).replace("+ -", "- ")
+
+
+@dataclasses.dataclass(frozen=True)
+class Division:
+    """``value // divisor`` or ``value % divisor`` (``op``) by a positive constant, rounding down as
+    torch's and Python's integer ``//`` and ``%`` do."""
+
+    value: Affine
+    divisor: int
+    op: str  # "//" or "%"
+
+    def __str__(self) -> str:
+        return f"({self.value}) {self.op} {self.divisor}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,6 +198,8 @@ def substitute(expr, mapping: dict):
         return result
     if isinstance(expr, (Le, Eq)):
         return type(expr)(substitute(expr.value, mapping))
+    if isinstance(expr, Division):
+        return Division(substitute(expr.value, mapping), expr.divisor, expr.op)
     if isinstance(expr, (And, Or)):
         return type(expr)(tuple(substitute(t, mapping) for t in expr.terms))
     if isinstance(expr, Not):
@@ -221,32 +239,60 @@ def conjuncts(formula) -> list:
     return [formula]
 
 
-def evaluate(expr, index: dict, gather: Callable[[Gather, list], torch.Tensor]) -> torch.Tensor:
-    """expr on broadcastable int64 index tensors (index[axis]); ``gather`` supplies data elements."""
+def axes_of(expr) -> set:
+    """The index axes expr depends on."""
+    if isinstance(expr, Affine):
+        return {axis for axis, _ in expr.coefficients}
+    if isinstance(expr, (Le, Eq, Division)):
+        return axes_of(expr.value)
+    if isinstance(expr, (And, Or)):
+        return set().union(*map(axes_of, expr.terms))
+    if isinstance(expr, Not):
+        return axes_of(expr.term)
+    if isinstance(expr, Gather):
+        return set().union(*map(axes_of, expr.index))
+    if isinstance(expr, Compare):
+        return axes_of(expr.left) | axes_of(expr.right)
+    if isinstance(expr, Select):
+        return axes_of(expr.cond)
+    return set()  # Number
+
+
+def evaluate(expr, index: dict, gather: Callable[[Gather, list], torch.Tensor]):
+    """expr on broadcastable integer index tensors (index[axis]); ``gather`` supplies data elements.
+    Constants stay Python numbers, so that the formula can run as a flex_attention mask_mod, where
+    a tensor made inside would be a constant of the traced mask graph."""
     def ev(e):
         return evaluate(e, index, gather)
 
     if isinstance(expr, Affine):
-        value = torch.tensor(expr.constant)
+        value = expr.constant
         for axis, c in expr.coefficients:
             value = value + c * index[axis]
         return value
     if isinstance(expr, Number):
-        return torch.tensor(expr.value)
+        return expr.value
+    if isinstance(expr, Division):
+        value = ev(expr.value)
+        return value // expr.divisor if expr.op == "//" else value % expr.divisor
     if isinstance(expr, Le):
         return ev(expr.value) <= 0
     if isinstance(expr, Eq):
         return ev(expr.value) == 0
     if isinstance(expr, And):
-        return torch.stack(torch.broadcast_tensors(*map(ev, expr.terms))).all(0)
+        return functools.reduce(operator.and_, map(ev, expr.terms))
     if isinstance(expr, Or):
-        return torch.stack(torch.broadcast_tensors(*map(ev, expr.terms))).any(0)
+        return functools.reduce(operator.or_, map(ev, expr.terms))
     if isinstance(expr, Not):
-        return ~ev(expr.term)
+        term = ev(expr.term)
+        return not term if isinstance(term, bool) else ~term
     if isinstance(expr, Gather):
         return gather(expr, [ev(a) for a in expr.index])
     if isinstance(expr, Compare):
         return COMPARISONS[expr.op](ev(expr.left), ev(expr.right))
     if isinstance(expr, Select):
-        return torch.where(ev(expr.cond), expr.if_true, expr.if_false)
+        cond = ev(expr.cond)
+        if isinstance(cond, bool):
+            return expr.if_true if cond else expr.if_false
+        return torch.where(cond, expr.if_true, expr.if_false)
     raise TypeError(f"not a formula: {expr!r}")

@@ -63,7 +63,8 @@ def prove(formula, structure, batch: int, s_q: int, s_k: int) -> None:
                  I: rows[None, :, None], J: torch.arange(n_k)[None, None, :]}
         for seed in (0, 1, 2):
             gather = _pseudo_random(seed)
-            got, want = torch.broadcast_tensors(evaluate(formula, index, gather), _claimed(structure, index, gather))
+            got, want = torch.broadcast_tensors(torch.as_tensor(evaluate(formula, index, gather)),
+                                               _claimed(structure, index, gather))
             if not torch.equal(got, want):
                 b, i, j = (int(x[0]) for x in torch.nonzero(got != want).T)
                 raise Unsupported(f"classification as {structure} failed its check at b={b}, i={int(rows[i])}, "

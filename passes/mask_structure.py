@@ -11,9 +11,11 @@ and of conditions true for every index (``q >= 0``). mask_trace.py reads the mas
 formula; ``classify`` maps its terms to a Structure, which mask_proof.py checks against the formula
 before anything is rewritten.
 
-Left with their mask (and the reason in the site's notes): masks that read data any other way
-(a mask tensor from outside, a mask that depends on the head), ORs of conditions, chunked
-masks, windows that exclude the query's own position, offsets only known at run time.
+A formula outside these classes (an OR of conditions, a chunked mask, a mask that depends on the
+head, a window that excludes the query's own position, ...) goes to flex_mask.py, which runs it as
+flex_attention's mask_mod where that gives eager's answer. Left with their mask (and the reason in
+the site's notes): masks that are not a formula (a mask tensor from outside is one data element per
+position; that stays a tensor), offsets only known at run time, and what flex_mask.py refuses.
 
 Queries that see no key: the op gives 0, as SDPA does for such rows of a bool mask. An additive
 mask of the dtype's minimum instead gives them the mean of all values (eager Hugging Face
@@ -27,6 +29,7 @@ import torch
 from torch.fx import Node
 
 from .call import AttentionCall
+from .flex_mask import to_flex
 from .index_formula import B, HARD_NEGATIVES, I, J, Affine, Compare, Eq, Gather, Le, Number, Select, conjuncts, negate
 from .mask_proof import prove
 from .mask_trace import MaskTracer, Unsupported, fixed_unit_axes
@@ -116,7 +119,7 @@ def classify(formula) -> Structure:
             raise Unsupported(f"the mask reads data, {atom}: only key padding [b, j] is structured")
         elif isinstance(atom, Compare) and _is_document_mask(atom):
             documents.add(atom.left.source)
-        elif isinstance(atom, Compare):
+        elif isinstance(atom, Compare) and Gather in {type(atom.left), type(atom.right)}:
             raise Unsupported(f"the mask compares data, '{atom}': only key padding [b, j] is structured")
         else:
             raise Unsupported(f"'{atom}' is not a causal, sliding-window or key-padding condition")
@@ -166,6 +169,9 @@ def infer_mask_structure(call: AttentionCall) -> AttentionCall:
         return call
     try:
         formula, hiding = mask_formula(call.attn_mask)
+    except Unsupported as why:
+        return call.noted(f"mask kept: {why}")
+    try:
         structure = classify(formula)
         if structure.key_padding is not None:
             _check_key_padding(structure.key_padding, call)
@@ -174,7 +180,7 @@ def infer_mask_structure(call: AttentionCall) -> AttentionCall:
         q, k = hinted_shape(example_tensor(call.q)), hinted_shape(example_tensor(call.k))
         prove(formula, structure, q[0], q[2], k[2])
     except Unsupported as why:
-        return call.noted(f"mask kept: {why}")
+        return to_flex(call, formula, hiding, why)
     right = structure.right
     if call.is_causal:
         right = 0 if right is None else min(right, 0)

@@ -1,7 +1,7 @@
 """Read the subgraph that builds a mask as an index formula (index_formula.py).
 
 Each node becomes a ``Sym``: its formula over its own axes, its traced shape and dtype. Handled
-are index arithmetic (arange, +, -, * by a constant, comparisons), logic (&, |, ~), constants
+are index arithmetic (arange, +, -, * by a constant, // and % by a positive constant, comparisons), logic (&, |, ~), constants
 (zeros, ones, full, new_ones, ...), ``where``/``masked_fill`` of constants, ``tril``/``triu``,
 dtype and device casts, and views (indexing with slices, None and index tensors, unsqueeze,
 view/reshape that only add or drop size-1 axes, expand). A tensor that no arange feeds (an input,
@@ -11,13 +11,14 @@ index values raises Unsupported with the operation in its message. Sizes are rea
 values, compared only with ``known_equal``, so reading a mask adds no guard.
 """
 import dataclasses
+import operator
 from typing import Callable
 
 import torch
 from torch.fx import Node
 
-from .index_formula import (COMPARISONS, Affine, And, Compare, Eq, Gather, Le, Not, Number, Or, Select, all_of,
-                            any_of, negate, substitute)
+from .index_formula import (COMPARISONS, Affine, And, Compare, Division, Eq, Gather, Le, Not, Number, Or, Select,
+                            all_of, any_of, negate, substitute)
 from .nodes import argument, is_mutated, op_of
 from .shapes import constant_int, example_tensor, known_equal
 
@@ -85,10 +86,10 @@ class MaskTracer:
             raise Unsupported(f"{node.name} is not a tensor")
         if node.op not in ("call_function", "call_method"):
             return _leaf(node, out)
-        handler = _HANDLERS.get(op_of(node))
+        handler = _HANDLERS.get(_operation(node))
         if handler is None:
             if self._fed_by_arange(node):
-                name = op_of(node) or getattr(node.target, "__name__", node.target)
+                name = _operation(node) or getattr(node.target, "__name__", node.target)
                 raise Unsupported(f"{node.name} = {name}(...) is not index arithmetic")
             return _leaf(node, out)
         if is_mutated(node):  # its formula says how it was made, not what it holds after the edit
@@ -128,6 +129,22 @@ class MaskTracer:
 
     def operands(self, node: Node, out: torch.Tensor, count: int = 2) -> list:
         return [self.operand(a, tuple(out.shape)) for a in node.args[:count]]
+
+
+# Integer division spellings that nodes.op_of does not name.
+_DIVISIONS = {operator.floordiv: "floordiv", torch.floor_divide: "floordiv", "floor_divide": "floordiv",
+              "__floordiv__": "floordiv", operator.mod: "remainder", torch.remainder: "remainder",
+              "__mod__": "remainder"}
+
+
+def _operation(node: Node):
+    op = op_of(node)
+    if op is None and node.op == "call_function":
+        try:
+            return _DIVISIONS.get(node.target)
+        except TypeError:  # an unhashable target
+            return None
+    return _DIVISIONS.get(op, op)
 
 
 def _leaf(node: Node, out: torch.Tensor) -> Sym:
@@ -195,6 +212,17 @@ def _neg(tracer, node, out):
     if isinstance(a, Affine):
         return -a
     raise Unsupported(f"{node.name}: negation of {a}")
+
+
+def _division(op):
+    """``a // c`` or ``a % c`` (``op``) of an index value and a positive constant."""
+    def handler(tracer, node, out):
+        a, c = tracer.operands(node, out)
+        if not (_is_integer(a) and isinstance(c, Number) and type(c.value) is int and c.value > 0) or \
+                out.dtype.is_floating_point or out.dtype == torch.bool:
+            raise Unsupported(f"{node.name}: {_operation(node)} of {a} by {c}, not of integers by a positive constant")
+        return Division(_as_affine(a), c.value, op)
+    return handler
 
 
 def _compare(tracer, node, out):
@@ -363,6 +391,7 @@ _HANDLERS = {
     "ones": _constant(fill=1), "new_ones": _constant(fill=1), "ones_like": _constant(fill=1),
     "full": _constant(fill_position=1), "new_full": _constant(fill_position=2),
     "add": _add(1), "sub": _add(-1), "mul": _mul, "neg": _neg,
+    "floordiv": _division("//"), "remainder": _division("%"),
     **{op: _compare for op in COMPARISONS},
     "and": _logic, "or": _logic, "not": _logic,
     "where": _where, "masked_fill": _masked_fill,

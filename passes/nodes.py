@@ -20,6 +20,8 @@ _FUNCTIONS = {
     operator.neg: "neg", torch.neg: "neg",
     operator.le: "le", operator.lt: "lt", operator.ge: "ge", operator.gt: "gt", operator.eq: "eq", operator.ne: "ne",
     torch.le: "le", torch.lt: "lt", torch.ge: "ge", torch.gt: "gt", torch.eq: "eq", torch.ne: "ne",
+    torch.Tensor.__le__: "le", torch.Tensor.__lt__: "lt", torch.Tensor.__ge__: "ge", torch.Tensor.__gt__: "gt",
+    torch.Tensor.__eq__: "eq", torch.Tensor.__ne__: "ne",
     operator.and_: "and", operator.or_: "or", operator.invert: "not",
     torch.logical_and: "and", torch.logical_or: "or", torch.logical_not: "not",
     torch.bitwise_and: "and", torch.bitwise_or: "or", torch.bitwise_not: "not",
@@ -36,6 +38,8 @@ _METHODS = {
     "__and__": "and", "__or__": "or", "__invert__": "not", "logical_and": "and", "logical_or": "or",
     "logical_not": "not", "bitwise_and": "and", "bitwise_or": "or", "bitwise_not": "not",
     "__getitem__": "getitem",
+    # dynamo on torch 2.11 recorded a comparison as "__eq__" (as a method or as Tensor.__eq__)
+    "__eq__": "eq", "__ne__": "ne", "__le__": "le", "__lt__": "lt", "__ge__": "ge", "__gt__": "gt",
 }
 
 

@@ -166,10 +166,11 @@ def distribute_attention(gm: GraphModule, sites: list[Site], *, mesh=None, layou
     """Rewrite in place every attention op of ``gm`` whose inputs are sharded; ``sites`` are the
     attention passes' reports, checked for sites left as they were when ``mesh`` is given."""
     if mesh is not None:
-        left = [site for site in sites if not site.rewritten]
+        left = [site for site in sites if site.op != "attn_cp.attention"]
         if left:
-            raise ValueError(f"options['mesh'] makes q, k, v sequence shards, but attention at {left[0]} could not be "
-                             f"rewritten, and run locally it would see only this rank's keys")
+            became = "runs as flex_attention, which is not distributed" if left[0].rewritten else "could not be rewritten"
+            raise ValueError(f"options['mesh'] makes q, k, v sequence shards, but attention at {left[0]} {became}, "
+                             f"and run locally it would see only this rank's keys")
     groups = process_groups(mesh) if mesh is not None else None
     done = []
     for node in list(gm.graph.nodes):

@@ -96,26 +96,47 @@ def _break_repeat_kv_removal(monkeypatch):
     monkeypatch.setattr(passes, "REFINEMENTS", refinements)
 
 
-def test_a_failing_pass_leaves_the_graph_unchanged_with_a_warning(monkeypatch, inner_graphs):
-    _break_repeat_kv_removal(monkeypatch)
+def _fail_on_rewritten_graphs(monkeypatch):
+    inner = backend._inner_compile
+
+    def failing(gm, example_inputs, *args):
+        if torch.ops.attn_cp.attention.default in _targets([gm]):
+            raise RuntimeError("planted lowering failure\nsecond line")
+        return inner(gm, example_inputs, *args)
+
+    monkeypatch.setattr(backend, "_inner_compile", failing)
+
+
+FAILURES = {  # what fails: (how to plant it, what the warning says failed)
+    "a pass": (_break_repeat_kv_removal, r"the attention passes failed at test_backend\.py:\d+ "
+                                         r"\(scaled_dot_product_attention\): RuntimeError: planted failure"),
+    "the inner compiler": (_fail_on_rewritten_graphs, r"eager failed on the rewritten graph \(RuntimeError: planted "
+                                                      r"lowering failure\)"),
+}
+
+
+@pytest.mark.parametrize("failure", list(FAILURES))
+def test_a_failing_rewrite_compiles_the_graph_unchanged_with_a_warning(failure, monkeypatch, inner_graphs):
+    plant, failed = FAILURES[failure]
+    plant(monkeypatch)
     q, k, v = make_qkv("gqa", s_q=16, requires_grad=False)
     fn = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
                        backend="attn_cp", options={"inner": "eager"})
-    with pytest.warns(UserWarning, match=r"^attn_compile: the attention passes failed at test_backend\.py:\d+ "
-                                         r"\(scaled_dot_product_attention\): RuntimeError: planted failure; this "
-                                         r"graph is compiled unchanged \(options=\{'strict': True\} re-raises\)$"):
+    with pytest.warns(UserWarning, match=rf"^attn_compile: {failed}; this graph is compiled unchanged "
+                                         r"\(options=\{'strict': True\} re-raises\)$"):
         got = fn(q, k, v)
     assert rel_err(got, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)) <= 1e-6
     assert SDPA in _targets(inner_graphs) and torch.ops.attn_cp.attention.default not in _targets(inner_graphs)
 
 
-def test_strict_re_raises_a_failing_pass(monkeypatch):
-    _break_repeat_kv_removal(monkeypatch)
+@pytest.mark.parametrize("failure", list(FAILURES))
+def test_strict_re_raises_a_failing_rewrite(failure, monkeypatch):
+    FAILURES[failure][0](monkeypatch)
     torch._dynamo.reset()
     q, k, v = make_qkv("gqa", s_q=16, requires_grad=False)
     fn = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
                        backend="attn_cp", options={"inner": "eager", "strict": True})
-    with pytest.raises(Exception, match="planted failure"):
+    with pytest.raises(Exception, match="planted"):
         fn(q, k, v)
 
 
@@ -125,3 +146,4 @@ def test_mode_needs_inductor():
     with pytest.raises(ValueError, match="^mode='max-autotune' applies to the inductor inner compiler only; "
                                          "got inner='eager'$"):
         backend.attn_cp(gm, [torch.randn(3)], mode="max-autotune", options={"inner": "eager"})
+

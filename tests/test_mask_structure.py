@@ -1,5 +1,6 @@
 """Masks built from index arithmetic become causal / window / key-padding / document-id arguments
-of the op; every other mask stays a tensor, with the reason in the site's notes."""
+of the op; every other mask stays a tensor, with the reason in the site's notes (here: why neither
+a structure nor, with gradients on CPU, flex_attention fits; tests/test_flex_route.py has the rest)."""
 from unittest import mock
 
 import torch
@@ -116,28 +117,37 @@ return (getitem_4)""")
 
 LEFT = {
     "a mask tensor from outside": (
-        lambda q, pad, m: m, "mask kept: the mask reads data, l_data_1_[i, j]: only key padding [b, j] is structured"),
+        lambda q, pad, m: m, "mask kept: the mask reads data, l_data_1_[i, j]: only key padding [b, j] is structured; not flex_attention: "
+        "the mask reads l_data_1_[i, j]: only per-key tensors read at [b, j] go into a mask_mod"),
     "document ids compared by order": (
         lambda q, pad, m: (lambda ids: ids[:, None, :, None] >= ids[:, None, None, :])(pad.long().cumsum(-1)),
-        "mask kept: the mask compares data, 'cumsum[b, i] >= cumsum[b, j]': only key padding [b, j] is structured"),
+        "mask kept: the mask compares data, 'cumsum[b, i] >= cumsum[b, j]': only key padding [b, j] is structured"
+        "; not flex_attention: the mask reads cumsum[b, i]: only per-key tensors read at [b, j] go into a mask_mod"),
     "OR of conditions (attention sink)": (
         lambda q, pad, m: (torch.arange(24)[:, None] >= torch.arange(24)) | (torch.arange(24) < 2),
-        "mask kept: '(j - i <= 0 | j - 1 <= 0)' is not a causal, sliding-window or key-padding condition"),
+        "mask kept: '(j - i <= 0 | j - 1 <= 0)' is not a causal, sliding-window or key-padding condition"
+        "; not flex_attention: flex_attention has no backward on CPU"),
     "chunked": (
         lambda q, pad, m: torch.arange(24)[:, None] // 4 == torch.arange(24) // 4,
-        "mask kept: floordiv = floordiv(...) is not index arithmetic"),
+        "mask kept: '(i) // 4 == (j) // 4' is not a causal, sliding-window or key-padding condition"
+        "; not flex_attention: flex_attention has no backward on CPU"),
     "strictly before the query": (
         lambda q, pad, m: torch.arange(24)[:, None] > torch.arange(24),
-        "mask kept: the mask hides the query's own position and 0 before it (j <= i - 1)"),
+        "mask kept: the mask hides the query's own position and 0 before it (j <= i - 1)"
+        "; not flex_attention: flex_attention has no backward on CPU"),
     "per-head": (
         lambda q, pad, m: torch.arange(8)[:, None, None] + torch.arange(24)[:, None] >= torch.arange(24),
-        "mask kept: 'j - i - h <= 0' depends on the batch or head index"),
+        "mask kept: 'j - i - h <= 0' depends on the batch or head index"
+        "; not flex_attention: flex_attention has no backward on CPU"),
     "a slope other than 1": (
         lambda q, pad, m: 2 * torch.arange(24) <= torch.arange(24)[:, None],
-        "mask kept: '2*j - i <= 0' is not a causal or sliding-window bound"),
+        "mask kept: '2*j - i <= 0' is not a causal or sliding-window bound"
+        "; not flex_attention: flex_attention has no backward on CPU"),
     "padding read at another key": (
         lambda q, pad, m: pad[torch.arange(2)[:, None, None, None], 23 - torch.arange(24)[None, None, None, :]],
-        "mask kept: the mask reads data, l_data_0_[b, -j + 23]: only key padding [b, j] is structured"),
+        "mask kept: the mask reads data, l_data_0_[b, -j + 23]: only key padding [b, j] is structured"
+        "; not flex_attention: the mask reads l_data_0_[b, -j + 23]: only per-key tensors read at [b, j] go into a "
+        "mask_mod"),
     "clamped index": (
         lambda q, pad, m: torch.arange(24).clamp(max=20) <= torch.arange(24)[:, None],
         "mask kept: clamp = clamp(...) is not index arithmetic"),
@@ -204,7 +214,7 @@ class TestLeftMasks(TestCase):
                 m = torch.rand(24, 24) > 0.3
                 graph, sites = rewrite(attend(mask_fn), q, k, v, pad, m)
                 self.assertTrue(sites[0].rewritten)
-                self.assertEqual(sites[0].notes, [note])
+                self.assertEqual("; ".join(sites[0].notes), note)
                 self.assertNotIn("None, False, None", graph)  # the mask is still an argument
                 assert_matches_eager(attend(mask_fn), q, k, v, pad, m)
 
@@ -218,7 +228,8 @@ class TestPaddingModifiedInPlace(TestCase):
 
         q, k, v, pad = _inputs()
         graph, sites = rewrite(fn, q, k, v, pad)
-        self.assertEqual(sites[0].notes, ["mask kept: key padding l_pad_ is modified in place"])
+        self.assertEqual(sites[0].notes, ["mask kept: key padding l_pad_ is modified in place",
+                                          "not flex_attention: the mask reads l_pad_, which is modified in place"])
         self.assertIn("attn_cp.attention.default(l_q_, l_k_, l_v_, mask_1, False, None)", graph)
 
 

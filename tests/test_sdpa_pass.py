@@ -107,3 +107,24 @@ return (add)""")
         q, k, v = (x[0] for x in _qkv("mha"))
         _, sites, _ = rewritten_graphs(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), q, k, v)
         self.assertEqual(sites[0].reason, "q, k, v are 3-D, 3-D, 3-D; the op takes 4-D (B, H, S, D)")
+
+
+def test_a_tensor_mask_on_cuda_stays_as_it_is():
+    """No fused kernel of the op takes a tensor mask: on CUDA the site keeps SDPA's masked kernels.
+    Traced on fake CUDA tensors, so it runs without a GPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    from attn_compile.passes import rewrite_attention
+
+    gm = torch.fx.symbolic_trace(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m))
+    mode = FakeTensorMode()
+    with mode:
+        args = [torch.randn(2, 4, 16, 8, device="cuda") for _ in range(3)]
+        args.append(torch.rand(2, 1, 16, 16, device="cuda") > 0.2)
+    FakeTensorProp(gm, mode).propagate(*args)
+    (site,) = rewrite_attention(gm)
+    assert not site.rewritten
+    assert site.reason == ("its mask stays a tensor, which on CUDA the op runs only on its reference kernel; as it is, "
+                           "the site runs on SDPA's or Inductor's fused code")
+    assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == [F.scaled_dot_product_attention]
