@@ -170,6 +170,10 @@ def _check_varlen(q, k, v, dout, cu_q, cu_k, tol, **masking):
         got = [_document(x, q0, q1) for x in (out, lse, dq)] + [_document(x, k0, k1) for x in (dk, dv)]
         want = _oracle(_document(q, q0, q1), _document(k, k0, k1), _document(v, k0, k1), _document(dout, q0, q1),
                        **masking)
+        if k1 - k0 == 1:  # one key: its softmax is 1 whatever the key, so dk is 0 and only rounding remains
+            terms = (_document(q, q0, q1).norm(dim=-1) * _document(dout, q0, q1).norm(dim=-1)).sum() * v[k0].norm()
+            assert got[3].norm() <= tol * terms.cpu(), (got[3].norm(), terms)
+            got[3] = want[3]
         _assert_close(got, want, tol)
 
 
