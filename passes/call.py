@@ -1,6 +1,7 @@
 """One attention call on its way to ``attn_cp.attention`` (or, with a flex_mask, to flex_attention):
-the op's arguments as graph nodes and constants. Finders create it, refinements replace its fields, and it is checked against the op's
-own argument rules before it is emitted, so a call the op would reject is left as it was."""
+the op's arguments as graph nodes and constants. Finders create it, refinements replace its fields,
+and it is checked against the op's own argument rules before it is emitted, so a call the op would
+reject is left as it was."""
 import dataclasses
 import operator
 from typing import Optional

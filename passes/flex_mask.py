@@ -28,7 +28,8 @@ from torch.fx import Graph, Node
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from .call import AttentionCall
-from .index_formula import B, H, I, J, Affine, And, Compare, Eq, Gather, Le, Not, Number, Or, all_of, axes_of, evaluate, substitute
+from .index_formula import (B, H, I, J, Affine, And, Compare, Eq, Gather, Le, Number, Or, all_of, axes_of, evaluate,
+                            gathers_of, substitute)
 from .mask_trace import Unsupported
 from .nodes import is_mutated, op_of
 from .sdpa import SDPA
@@ -68,19 +69,6 @@ class FlexAttention:
         return flex_attention(q, k, v, block_mask=block_mask, scale=self.scale, enable_gqa=self.enable_gqa)
 
 
-def _gathers(formula) -> list:
-    """The data elements the formula reads, in the order read."""
-    if isinstance(formula, Gather):
-        return [formula]
-    if isinstance(formula, Compare):
-        return _gathers(formula.left) + _gathers(formula.right)
-    if isinstance(formula, (And, Or)):
-        return [g for term in formula.terms for g in _gathers(term)]
-    if isinstance(formula, Not):
-        return _gathers(formula.term)
-    return []
-
-
 def _per_key(element: Gather) -> bool:
     """``t[b, j]`` (or ``t[0, j]`` of a tensor broadcast over the batch)."""
     return len(element.index) == 2 and element.index[0] in (Affine.index(B), Affine()) and \
@@ -102,7 +90,7 @@ def _holds_everywhere(formula) -> bool:
     if isinstance(formula, Compare):
         if formula.left == formula.right:
             return formula.op in ("eq", "le", "ge")
-        if not axes_of(formula) and not _gathers(formula):
+        if not axes_of(formula) and not gathers_of(formula):
             return bool(evaluate(formula, {}, None))
     return False
 
@@ -117,7 +105,7 @@ def _why_not(call: AttentionCall, formula, hiding, data: list) -> Optional[str]:
     q, k, v = (example_tensor(n) for n in (call.q, call.k, call.v))
     if not {I, J} & axes_of(formula):
         return "the mask does not depend on the query or key index"
-    reads = [g for g in _gathers(formula) if not _per_key(g)]
+    reads = [g for g in gathers_of(formula) if not _per_key(g)]
     if reads:
         return f"the mask reads {reads[0]}: only per-key tensors read at [b, j] go into a mask_mod"
     for node in data:
@@ -163,7 +151,7 @@ def to_flex(call: AttentionCall, formula, hiding, why_unstructured: Unsupported)
     mask stays: why it has no structure, and why flex_attention does not fit either."""
     if call.is_causal:  # SDPA's is_causal with a mask: both hide keys
         formula = all_of((formula, Le(Affine.index(J) - Affine.index(I))))
-    data = list(dict.fromkeys(g.source for g in _gathers(formula)))
+    data = list(dict.fromkeys(g.source for g in gathers_of(formula)))
     reason = _why_not(call, formula, hiding, data)
     if reason is not None:
         return call.noted(f"mask kept: {why_unstructured}").noted(f"not flex_attention: {reason}")

@@ -258,6 +258,19 @@ def axes_of(expr) -> set:
     return set()  # Number
 
 
+def gathers_of(formula) -> list:
+    """The data elements a boolean formula reads, in the order read."""
+    if isinstance(formula, Gather):
+        return [formula]
+    if isinstance(formula, Compare):
+        return gathers_of(formula.left) + gathers_of(formula.right)
+    if isinstance(formula, (And, Or)):
+        return [g for term in formula.terms for g in gathers_of(term)]
+    if isinstance(formula, Not):
+        return gathers_of(formula.term)
+    return []
+
+
 def evaluate(expr, index: dict, gather: Callable[[Gather, list], torch.Tensor]):
     """expr on broadcastable integer index tensors (index[axis]); ``gather`` supplies data elements.
     Constants stay Python numbers, so that the formula can run as a flex_attention mask_mod, where

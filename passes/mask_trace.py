@@ -1,8 +1,9 @@
 """Read the subgraph that builds a mask as an index formula (index_formula.py).
 
 Each node becomes a ``Sym``: its formula over its own axes, its traced shape and dtype. Handled
-are index arithmetic (arange, +, -, * by a constant, // and % by a positive constant, comparisons), logic (&, |, ~), constants
-(zeros, ones, full, new_ones, ...), ``where``/``masked_fill`` of constants, ``tril``/``triu``,
+are index arithmetic (arange, +, -, * by a constant, // and % by a positive constant, comparisons),
+logic (&, |, ~), constants (zeros, ones, full, new_ones, ...), ``where``/``masked_fill`` of
+constants, ``tril``/``triu``,
 dtype and device casts, and views (indexing with slices, None and index tensors, unsqueeze,
 view/reshape that only add or drop size-1 axes, expand). A tensor that no arange feeds (an input,
 a buffer, anything computed from data) becomes a ``Gather`` of its own elements, so that e.g.
@@ -11,7 +12,6 @@ index values raises Unsupported with the operation in its message. Sizes are rea
 values, compared only with ``known_equal``, so reading a mask adds no guard.
 """
 import dataclasses
-import operator
 from typing import Callable
 
 import torch
@@ -86,10 +86,10 @@ class MaskTracer:
             raise Unsupported(f"{node.name} is not a tensor")
         if node.op not in ("call_function", "call_method"):
             return _leaf(node, out)
-        handler = _HANDLERS.get(_operation(node))
+        handler = _HANDLERS.get(op_of(node))
         if handler is None:
             if self._fed_by_arange(node):
-                name = _operation(node) or getattr(node.target, "__name__", node.target)
+                name = op_of(node) or getattr(node.target, "__name__", node.target)
                 raise Unsupported(f"{node.name} = {name}(...) is not index arithmetic")
             return _leaf(node, out)
         if is_mutated(node):  # its formula says how it was made, not what it holds after the edit
@@ -129,22 +129,6 @@ class MaskTracer:
 
     def operands(self, node: Node, out: torch.Tensor, count: int = 2) -> list:
         return [self.operand(a, tuple(out.shape)) for a in node.args[:count]]
-
-
-# Integer division spellings that nodes.op_of does not name.
-_DIVISIONS = {operator.floordiv: "floordiv", torch.floor_divide: "floordiv", "floor_divide": "floordiv",
-              "__floordiv__": "floordiv", operator.mod: "remainder", torch.remainder: "remainder",
-              "__mod__": "remainder"}
-
-
-def _operation(node: Node):
-    op = op_of(node)
-    if op is None and node.op == "call_function":
-        try:
-            return _DIVISIONS.get(node.target)
-        except TypeError:  # an unhashable target
-            return None
-    return _DIVISIONS.get(op, op)
 
 
 def _leaf(node: Node, out: torch.Tensor) -> Sym:
@@ -220,7 +204,7 @@ def _division(op):
         a, c = tracer.operands(node, out)
         if not (_is_integer(a) and isinstance(c, Number) and type(c.value) is int and c.value > 0) or \
                 out.dtype.is_floating_point or out.dtype == torch.bool:
-            raise Unsupported(f"{node.name}: {_operation(node)} of {a} by {c}, not of integers by a positive constant")
+            raise Unsupported(f"{node.name}: {op_of(node)} of {a} by {c}, not of integers by a positive constant")
         return Division(_as_affine(a), c.value, op)
     return handler
 

@@ -18,6 +18,8 @@ _FUNCTIONS = {
     operator.mul: "mul", torch.mul: "mul", operator.truediv: "div", torch.div: "div",
     operator.add: "add", torch.add: "add", operator.sub: "sub", torch.sub: "sub",
     operator.neg: "neg", torch.neg: "neg",
+    operator.floordiv: "floordiv", torch.floor_divide: "floordiv",
+    operator.mod: "remainder", torch.remainder: "remainder",
     operator.le: "le", operator.lt: "lt", operator.ge: "ge", operator.gt: "gt", operator.eq: "eq", operator.ne: "ne",
     torch.le: "le", torch.lt: "lt", torch.ge: "ge", torch.gt: "gt", torch.eq: "eq", torch.ne: "ne",
     torch.Tensor.__le__: "le", torch.Tensor.__lt__: "lt", torch.Tensor.__ge__: "ge", torch.Tensor.__gt__: "gt",
@@ -38,6 +40,7 @@ _METHODS = {
     "__and__": "and", "__or__": "or", "__invert__": "not", "logical_and": "and", "logical_or": "or",
     "logical_not": "not", "bitwise_and": "and", "bitwise_or": "or", "bitwise_not": "not",
     "__getitem__": "getitem",
+    "floor_divide": "floordiv", "__floordiv__": "floordiv", "__mod__": "remainder",
     # dynamo on torch 2.11 recorded a comparison as "__eq__" (as a method or as Tensor.__eq__)
     "__eq__": "eq", "__ne__": "ne", "__le__": "le", "__lt__": "lt", "__ge__": "ge", "__gt__": "gt",
 }

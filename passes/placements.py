@@ -168,7 +168,8 @@ def distribute_attention(gm: GraphModule, sites: list[Site], *, mesh=None, layou
     if mesh is not None:
         left = [site for site in sites if site.op != "attn_cp.attention"]
         if left:
-            became = "runs as flex_attention, which is not distributed" if left[0].rewritten else "could not be rewritten"
+            became = ("runs as flex_attention, which is not distributed" if left[0].rewritten
+                      else "could not be rewritten")
             raise ValueError(f"options['mesh'] makes q, k, v sequence shards, but attention at {left[0]} {became}, "
                              f"and run locally it would see only this rank's keys")
     groups = process_groups(mesh) if mesh is not None else None

@@ -10,6 +10,7 @@ from expecttest import TestCase
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from attn_compile.explain import explain
+from attn_compile.passes.placements import distribute_attention
 from compiled import rewrite
 from oracle import naive_attention, rel_err
 
@@ -161,6 +162,14 @@ class TestKept(TestCase):
         self.assertEqual(sites[0].op, "attn_cp.attention")
         self.assertEqual(sites[0].notes[-1], "not flex_attention: the mask reads l_ids_[b, i]: only per-key tensors "
                                              "read at [b, j] go into a mask_mod")
+
+    def test_a_flex_site_under_a_mesh_raises(self):
+        """With options["mesh"] q, k, v are shards: flex_attention on one would see this rank's keys only."""
+        _, sites = rewrite(attend(MASKS["chunked"]), *inputs())
+        with self.assertRaisesRegex(ValueError, r"^options\['mesh'\] makes q, k, v sequence shards, but attention at "
+                                                r".* runs as flex_attention, which is not distributed, and run "
+                                                r"locally it would see only this rank's keys$"):
+            distribute_attention(torch.fx.GraphModule({}, torch.fx.Graph()), sites, mesh=object())
 
     def test_a_result_read_in_place_on_cpu(self):
         def scaled(q, k, v, ids):
