@@ -82,7 +82,9 @@ def _run_rank(rank: int, world: int, device: str, init_method: str) -> int:
     dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=init_method, rank=rank,
                             world_size=world)
     try:
-        return _demo(rank, world, device)
+        code = _demo(rank, world, device)
+        dist.barrier()  # no rank tears its groups down while a peer may still be using them
+        return code
     finally:
         dist.destroy_process_group()
 
