@@ -116,6 +116,7 @@ def main(argv=None) -> int:
     parser.add_argument("--compiler", choices=("inductor", "aot_eager"), default="inductor",
                         help="the baseline backend, and attn_cp's inner compiler")
     parser.add_argument("--seq", type=int, nargs="+", help="sequence lengths (default 4096 8192; --tiny: 32)")
+    parser.add_argument("--models", nargs="+", choices=tuple(SHAPES), default=tuple(SHAPES), help="stacks to run")
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -128,7 +129,8 @@ def main(argv=None) -> int:
     }
     print(f"batch {BATCH}, {dtype}, {device}; times in ms (medians)")
     print(f"{'model':<12}{'layers':>7}{'S':>6}  {'measure':<20}{args.compiler:>12}{'attn_cp':>12}{'speedup':>9}")
-    for name, dims in shapes.items():
+    for name in args.models:
+        dims = shapes[name]
         for seq in seqs:
             torch._dynamo.reset()
             model = _model(name, dims, seq, device, dtype)

@@ -1,9 +1,9 @@
 """``torch.ops.attn_cp.attention``: the op every rewritten attention site calls.
 
 Layout is SDPA's (B, H, S, D). It returns ``(out, lse)`` with ``out`` of shape
-``(*q.shape[:-1], v.shape[-1])`` (h_q heads, d_v dims: GQA and MLA at once) and ``lse`` of
-shape (B, h_q, S_q), float32. The LSE is for merging partial results and is not
-differentiable. Masks (all that are given are ANDed): ``is_causal`` (SDPA's top-left alignment),
+``(*q.shape[:-1], v.shape[-1])`` (h_q heads, d_v dims: GQA and MLA at once), in q's memory
+order (kernels/result_layout.py), and ``lse`` of shape (B, h_q, S_q), float32. The LSE is for
+merging partial results and is not differentiable. Masks (all that are given are ANDed): ``is_causal`` (SDPA's top-left alignment),
 ``window_left``/``window_right`` (query i sees keys i-left..i+right, -1 unbounded), ``attn_mask``
 (bool or additive, broadcast to (B, h_q, S_q, S_k)), ``key_padding_mask`` ((B, S_k) bool,
 True = a real key) and ``document_ids`` ((B, S) ids of packed documents, S_q == S_k: query i sees
@@ -19,6 +19,7 @@ from torch import Tensor
 from .kernels import attention_backward as _kernel_backward
 from .kernels import attention_forward as _kernel_forward
 from .kernels.reference import lse_dtype
+from .kernels.result_layout import as_grad, as_out, empty_out
 from .validation import check_attention_args
 
 
@@ -37,14 +38,14 @@ def attention(
     out, lse = _kernel_forward(q, k, v, scale=default_scale(q, scale), is_causal=is_causal, window=window,
                                attn_mask=attn_mask, key_padding_mask=key_padding_mask, q_offset=q_offset,
                                document_ids=document_ids)
-    return out.contiguous(), lse.contiguous()
+    return as_out(out, q), lse.contiguous()
 
 
 @attention.register_fake
 def _(q, k, v, attn_mask=None, is_causal=False, scale=None, window_left=-1, window_right=-1, key_padding_mask=None,
       q_offset=0, document_ids=None):
     check_attention_args(q, k, v, attn_mask, (window_left, window_right), key_padding_mask, document_ids, q_offset)
-    return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
+    return empty_out(q, v.shape[-1]), q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
 
 
 @torch.library.custom_op("attn_cp::attention_backward", mutates_args=())
@@ -56,13 +57,13 @@ def attention_backward(
     grads = _kernel_backward(dout, q, k, v, out, lse, scale=default_scale(q, scale), is_causal=is_causal,
                              window=(window_left, window_right), attn_mask=attn_mask,
                              key_padding_mask=key_padding_mask, q_offset=q_offset, document_ids=document_ids)
-    return tuple(g.contiguous() for g in grads)
+    return tuple(as_grad(g, x) for g, x in zip(grads, (q, k, v)))
 
 
 @attention_backward.register_fake
 def _(dout, q, k, v, out, lse, attn_mask, is_causal, scale, window_left, window_right, key_padding_mask, q_offset,
       document_ids=None):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):

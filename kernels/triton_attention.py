@@ -20,6 +20,7 @@ on the GPU (relative error near 1e-3) and exact float32 under TRITON_INTERPRET=1
 import torch
 
 from .problem import Problem
+from .result_layout import empty_out
 from .triton_backward import backward
 from .triton_forward import forward
 from .triton_merge import merge
@@ -100,7 +101,7 @@ def _check_scale_and_mask(scale, attn_mask=None):
 
 
 def _key_padding(key_padding_mask, k):
-    """The (B, S_k) bool mask as the kernels read it: uint8 with a unit last stride, a view where it can be."""
+    """The (B, S_k) bool mask with a unit last stride, as the kernels read it."""
     if key_padding_mask is None:
         return None
     want = (k.shape[0], k.shape[2])
@@ -109,15 +110,7 @@ def _key_padding(key_padding_mask, k):
                          f"{tuple(key_padding_mask.shape)}")
     if key_padding_mask.device != k.device:
         raise ValueError(f"key_padding_mask: on {key_padding_mask.device}, k on {k.device}")
-    return _unit_last(key_padding_mask)[0].view(torch.uint8)
-
-
-def _new_rows(like, d):
-    """An empty (..., d) tensor whose leading dims lie in memory in ``like``'s order, as SDPA's
-    output follows the query's layout."""
-    order = sorted(range(like.dim() - 1), key=like.stride, reverse=True)
-    empty = like.new_empty([like.shape[i] for i in order] + [d])
-    return empty.permute(*(order.index(i) for i in range(len(order))), len(order))
+    return _unit_last(key_padding_mask)[0]
 
 
 def attention_forward(q, k, v, *, scale, is_causal=False, window=(-1, -1), attn_mask=None, key_padding_mask=None,
@@ -127,7 +120,7 @@ def attention_forward(q, k, v, *, scale, is_causal=False, window=(-1, -1), attn_
     q, k, v = _check_inputs(q, k, v)
     key_padding = _key_padding(key_padding_mask, k)
     before, after = _reaches(is_causal, window, q_offset, k_offset, max(q.shape[2], k.shape[2]))
-    out = _new_rows(q, v.shape[-1])
+    out = empty_out(q, v.shape[-1])
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     forward(q, k, v, out, lse, None, None, q.shape[2], k.shape[2], scale, before, after, key_padding)
     return out, lse

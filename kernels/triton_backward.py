@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_tiles import (LOG2E, autotune, drop_padding, head_blocks, head_start, load_tile, sequence, store_tile,
-                           tile_ranges, visible)
+from .triton_tiles import (LOG2E, autotune, head_blocks, head_start, key_padding_args, load_tile, padding_bounds,
+                           real_keys, sequence, store_tile, tile_ranges, visible)
 
 
 @triton.jit
@@ -40,7 +40,7 @@ def _dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, key_padding, rows, cols, ti
         if MASKED:
             s = tl.where(visible(rows, keys, seqlen_k, before, after), s, float("-inf"))
         if HAS_KEY_PADDING:
-            s = drop_padding(s, key_padding, keys, seqlen_k, False)
+            s = tl.where(real_keys(key_padding, keys, seqlen_k)[None, :], s, float("-inf"))
         p = tl.math.exp2(s * qk_scale - lse[:, None])
         ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq)
@@ -53,7 +53,7 @@ def _dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, key_padding, rows, cols, ti
     key=["BLOCK_DQK", "BLOCK_DV"],
 )
 @triton.jit
-def _dq_kernel(Q, K, V, DO, O, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k, KeyPadding, stride_kpb,
+def _dq_kernel(Q, K, V, DO, O, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k, KeyPadding, stride_kpb, KeyBounds,
                stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
                stride_vb, stride_vh, stride_vs, stride_dob, stride_doh, stride_dos,
                stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_ls,
@@ -64,6 +64,7 @@ def _dq_kernel(Q, K, V, DO, O, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k, KeyPa
     batch, head = tl.program_id(2), tl.program_id(1)
     q_start, seqlen_q = sequence(cu_seqlens_q, batch, seqlen_q, VARLEN)
     k_start, seqlen_k = sequence(cu_seqlens_k, batch, seqlen_k, VARLEN)
+    real_prefix, seqlen_k = padding_bounds(KeyBounds, batch, seqlen_k, HAS_KEY_PADDING)  # padding to the end: cut
     block = tl.cdiv(seqlen_q, BLOCK_M) - 1 - tl.program_id(0)
     if block < 0:
         return
@@ -97,12 +98,17 @@ def _dq_kernel(Q, K, V, DO, O, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k, KeyPa
         key_padding += batch * stride_kpb
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
     lo, full_lo, full_hi, hi = tile_ranges(first, last, seqlen_k, before, after, BLOCK_N)
+    plain_hi = tl.minimum(tl.maximum(real_prefix // BLOCK_N, full_lo), full_hi)  # tiles with no padding key
     dq = _dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, key_padding, rows, cols, lo, full_lo, seqlen_k, before,
                    after, qk_scale, stride_ks, stride_vs, d_qk, d_v, D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, True,
                    HAS_KEY_PADDING)
-    dq = _dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, key_padding, rows, cols, full_lo, full_hi, seqlen_k, before,
+    dq = _dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, key_padding, rows, cols, full_lo, plain_hi, seqlen_k, before,
                    after, qk_scale, stride_ks, stride_vs, d_qk, d_v, D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, False,
-                   HAS_KEY_PADDING)
+                   False)
+    if HAS_KEY_PADDING:
+        dq = _dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, key_padding, rows, cols, plain_hi, full_hi, seqlen_k,
+                       before, after, qk_scale, stride_ks, stride_vs, d_qk, d_v, D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
+                       False, True)
     dq = _dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, key_padding, rows, cols, full_hi, hi, seqlen_k, before,
                    after, qk_scale, stride_ks, stride_vs, d_qk, d_v, D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, True,
                    HAS_KEY_PADDING)
@@ -113,12 +119,12 @@ def _dq_kernel(Q, K, V, DO, O, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k, KeyPa
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, key_padding, keys, rows, tile_lo, tile_hi,
+def _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, real, keys, rows, tile_lo, tile_hi,
                 seqlen_q, seqlen_k, before, after, qk_scale, stride_qs, stride_dos, stride_ls, stride_ds, d_qk, d_v,
                 D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_KEY_PADDING: tl.constexpr):
     """Accumulates into dK, dV over query tiles [tile_lo, tile_hi); scores are kept transposed
-    (keys x queries), so ``before`` and ``after`` arrive swapped."""
+    (keys x queries), so ``before`` and ``after`` arrive swapped. ``real``: which keys are real."""
     for tile in range(tile_lo, tile_hi):
         start = tile * BLOCK_M
         queries = start + rows
@@ -132,7 +138,7 @@ def _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, key_padding
         if MASKED:
             s = tl.where(visible(keys, queries, seqlen_q, before, after), s, float("-inf"))
         if HAS_KEY_PADDING:
-            s = drop_padding(s, key_padding, keys, seqlen_k, True)
+            s = tl.where(real[:, None], s, float("-inf"))
         p = tl.math.exp2(s * qk_scale - lse[None, :])
         dv = tl.dot(p.to(do.dtype), do, dv)
         ds = p * (tl.dot(v, tl.trans(do)) - delta[None, :])
@@ -146,7 +152,7 @@ def _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, key_padding
     key=["BLOCK_DQK", "BLOCK_DV"],
 )
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, cu_seqlens_q, cu_seqlens_k, KeyPadding, stride_kpb,
+def _dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, cu_seqlens_q, cu_seqlens_k, KeyPadding, stride_kpb, KeyBounds,
                  stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
                  stride_vb, stride_vh, stride_vs, stride_dob, stride_doh, stride_dos,
                  stride_lb, stride_lh, stride_ls, stride_db, stride_dh, stride_ds,
@@ -176,10 +182,15 @@ def _dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, cu_seqlens_q, cu_seqlens_k, Ke
     v = load_tile(v_ptrs + offs_n[:, None] * stride_vs + d_v[None, :], keys_ok, d_v, D_V, BLOCK_DV)
     dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-    key_padding = KeyPadding
-    if HAS_KEY_PADDING:
-        key_padding += batch * stride_kpb
+    real = keys_ok
     lo, full_lo, full_hi, hi = tile_ranges(first, last, seqlen_q, after, before, BLOCK_M)
+    if HAS_KEY_PADDING:
+        real = real_keys(KeyPadding + batch * stride_kpb, keys, seqlen_k)
+        _, end = padding_bounds(KeyBounds, batch, seqlen_k, HAS_KEY_PADDING)
+        if first >= end:  # padding keys only: dK = dV = 0
+            lo = hi
+            full_lo = hi
+            full_hi = hi
     heads = tl.cdiv(group, parts)
     head_lo = kv_head * group + part * heads
     for head in range(head_lo, tl.minimum(head_lo + heads, (kv_head + 1) * group)):
@@ -189,15 +200,15 @@ def _dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, cu_seqlens_q, cu_seqlens_k, Ke
         do_ptrs += rows[:, None] * stride_dos + d_v[None, :]
         lse_ptrs = head_start(Lse, batch, head, q_start, stride_lb, stride_lh, stride_ls) + rows * stride_ls
         delta_ptrs = head_start(Delta, batch, head, q_start, stride_db, stride_dh, stride_ds) + rows * stride_ds
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, key_padding, keys, rows,
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, real, keys, rows,
                              lo, full_lo, seqlen_q, seqlen_k, after, before, qk_scale, stride_qs, stride_dos,
                              stride_ls, stride_ds, d_qk, d_v, D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_M, True,
                              HAS_KEY_PADDING)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, key_padding, keys, rows,
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, real, keys, rows,
                              full_lo, full_hi, seqlen_q, seqlen_k, after, before, qk_scale, stride_qs, stride_dos,
                              stride_ls, stride_ds, d_qk, d_v, D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_M, False,
                              HAS_KEY_PADDING)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, key_padding, keys, rows,
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, real, keys, rows,
                              full_hi, hi, seqlen_q, seqlen_k, after, before, qk_scale, stride_qs, stride_dos,
                              stride_ls, stride_ds, d_qk, d_v, D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_M, True,
                              HAS_KEY_PADDING)
@@ -226,8 +237,8 @@ def _packed(grad, varlen):
 
 
 def backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-             scale, before, after, key_padding=None):
-    """Fills ``dq``, ``dk`` and ``dv`` in place; layouts and ``key_padding`` as in
+             scale, before, after, key_padding_mask=None):
+    """Fills ``dq``, ``dk`` and ``dv`` in place; layouts and ``key_padding_mask`` as in
     ``triton_forward.forward``."""
     batch, h_q, s_q = q.shape[:3]
     h_kv = k.shape[1]
@@ -236,8 +247,8 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, ma
     varlen = cu_seqlens_q is not None
     delta = torch.empty(1 if varlen else batch, h_q, s_q, dtype=torch.float32, device=q.device).expand(batch, h_q, s_q)
     common = dict(D_QK=d_qk, D_V=d_v, BLOCK_DQK=head_blocks(d_qk), BLOCK_DV=head_blocks(d_v), VARLEN=varlen,
-                  HAS_KEY_PADDING=key_padding is not None)
-    padding = key_padding, 0 if key_padding is None else key_padding.stride(0)
+                  HAS_KEY_PADDING=key_padding_mask is not None)
+    padding = key_padding_args(key_padding_mask)
     qk_scale = scale * LOG2E.value
 
     def dq_grid(meta):

@@ -3,13 +3,15 @@ online softmax over the key tiles the mask leaves, output and LSE written once.
 
 Tensors come as (B, H, S, D) views with any strides but a unit last one; for packed varlen
 inputs B counts documents, the batch stride is 0, and ``cu_seqlens`` gives each document's rows.
-A dense call may add a (B, S_k) uint8 key padding mask, nonzero for a real key.
+A dense call may add a (B, S_k) uint8 key padding mask, nonzero for a real key, with each
+sequence's ``padding_bounds``: key tiles after the last real key are skipped, and tiles before the
+first padded key run without loading the mask.
 """
 import triton
 import triton.language as tl
 
-from .triton_tiles import (LN2, LOG2E, autotune, drop_padding, head_blocks, head_start, load_tile, sequence, store_tile,
-                           tile_ranges, visible)
+from .triton_tiles import (LN2, LOG2E, autotune, head_blocks, head_start, key_padding_args, load_tile, padding_bounds,
+                           real_keys, sequence, store_tile, tile_ranges, visible)
 
 
 @triton.jit
@@ -26,7 +28,7 @@ def _attend(acc, row_sum, row_max, q, k_ptrs, v_ptrs, key_padding, rows, cols, t
         if MASKED:
             s = tl.where(visible(rows, keys, seqlen_k, before, after), s, float("-inf"))
         if HAS_KEY_PADDING:
-            s = drop_padding(s, key_padding, keys, seqlen_k, False)
+            s = tl.where(real_keys(key_padding, keys, seqlen_k)[None, :], s, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(s, 1) * qk_scale)
         shift = new_max
         if MASKED or HAS_KEY_PADDING:  # a row that has seen no key yet keeps p = 0 instead of exp(-inf + inf)
@@ -46,7 +48,7 @@ def _attend(acc, row_sum, row_max, q, k_ptrs, v_ptrs, key_padding, rows, cols, t
     key=["BLOCK_DQK", "BLOCK_DV"],
 )
 @triton.jit
-def _forward_kernel(Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, KeyPadding, stride_kpb,
+def _forward_kernel(Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, KeyPadding, stride_kpb, KeyBounds,
                     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
                     stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
                     stride_lb, stride_lh, stride_ls,
@@ -57,6 +59,7 @@ def _forward_kernel(Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, KeyPadding, s
     batch, head = tl.program_id(2), tl.program_id(1)
     q_start, seqlen_q = sequence(cu_seqlens_q, batch, seqlen_q, VARLEN)
     k_start, seqlen_k = sequence(cu_seqlens_k, batch, seqlen_k, VARLEN)
+    real_prefix, seqlen_k = padding_bounds(KeyBounds, batch, seqlen_k, HAS_KEY_PADDING)  # padding to the end: cut
     block = tl.cdiv(seqlen_q, BLOCK_M) - 1 - tl.program_id(0)  # the last rows see the most keys: start them first
     if block < 0:
         return
@@ -82,16 +85,20 @@ def _forward_kernel(Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, KeyPadding, s
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     lo, full_lo, full_hi, hi = tile_ranges(first, last, seqlen_k, before, after, BLOCK_N)
+    plain_hi = tl.minimum(tl.maximum(real_prefix // BLOCK_N, full_lo), full_hi)  # tiles with no padding key
     acc, row_sum, row_max = _attend(acc, row_sum, row_max, q, k_ptrs, v_ptrs, key_padding, rows, cols, lo, full_lo,
                                     seqlen_k, before, after, qk_scale, stride_ks, stride_vs, d_qk, d_v,
                                     D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, True, HAS_KEY_PADDING)
-    acc, row_sum, row_max = _attend(acc, row_sum, row_max, q, k_ptrs, v_ptrs, key_padding, rows, cols, full_lo, full_hi,
-                                    seqlen_k, before, after, qk_scale, stride_ks, stride_vs, d_qk, d_v,
-                                    D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, False, HAS_KEY_PADDING)
+    acc, row_sum, row_max = _attend(acc, row_sum, row_max, q, k_ptrs, v_ptrs, key_padding, rows, cols, full_lo,
+                                    plain_hi, seqlen_k, before, after, qk_scale, stride_ks, stride_vs, d_qk, d_v,
+                                    D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, False, False)
+    if HAS_KEY_PADDING:
+        acc, row_sum, row_max = _attend(acc, row_sum, row_max, q, k_ptrs, v_ptrs, key_padding, rows, cols, plain_hi,
+                                        full_hi, seqlen_k, before, after, qk_scale, stride_ks, stride_vs, d_qk, d_v,
+                                        D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, False, True)
     acc, row_sum, row_max = _attend(acc, row_sum, row_max, q, k_ptrs, v_ptrs, key_padding, rows, cols, full_hi, hi,
                                     seqlen_k, before, after, qk_scale, stride_ks, stride_vs, d_qk, d_v,
                                     D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, True, HAS_KEY_PADDING)
-
     seen = row_sum > 0
     row_sum = tl.where(seen, row_sum, 1.0)
     lse = tl.where(seen, (row_max + tl.math.log2(row_sum)) * LN2, float("-inf"))
@@ -103,9 +110,9 @@ def _forward_kernel(Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, KeyPadding, s
 
 
 def forward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, before, after,
-            key_padding=None):
-    """Fills ``out`` (B, H_q, S_q, d_v) and ``lse`` (B, H_q, S_q) float32 in place; ``key_padding``
-    is None or (B, S_k) uint8 with a unit last stride."""
+            key_padding_mask=None):
+    """Fills ``out`` (B, H_q, S_q, d_v) and ``lse`` (B, H_q, S_q) float32 in place;
+    ``key_padding_mask`` is None or (B, S_k) bool with a unit last stride."""
     batch, h_q = q.shape[:2]
     d_qk, d_v = q.shape[-1], v.shape[-1]
 
@@ -113,9 +120,9 @@ def forward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
         return triton.cdiv(max_seqlen_q, meta["BLOCK_M"]), h_q, batch
 
     _forward_kernel[grid](
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, key_padding, 0 if key_padding is None else key_padding.stride(0),
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *key_padding_args(key_padding_mask),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *lse.stride(),
         max_seqlen_q, max_seqlen_k, h_q // k.shape[1], before, after, scale * LOG2E.value,
         D_QK=d_qk, D_V=d_v, BLOCK_DQK=head_blocks(d_qk), BLOCK_DV=head_blocks(d_v), VARLEN=cu_seqlens_q is not None,
-        HAS_KEY_PADDING=key_padding is not None,
+        HAS_KEY_PADDING=key_padding_mask is not None,
     )

@@ -7,6 +7,7 @@ these two numbers; an unbounded side is ``UNBOUNDED``, farther than any two posi
 """
 import os
 
+import torch
 import triton
 import triton.language as tl
 
@@ -90,15 +91,47 @@ def visible(rows, cols, n_cols, before, after):
 
 
 @triton.jit
-def drop_padding(s, key_padding, keys, n_keys, KEYS_ON_ROWS: tl.constexpr):
-    """Scores ``s`` with -inf for the padding keys, given one batch row of the (uint8) key
-    padding mask; ``s`` is (queries, keys), or (keys, queries) when ``KEYS_ON_ROWS``. Padding
-    can blank any tile, so every visited tile goes through this, not only the masked ones."""
-    real = tl.load(key_padding + keys, mask=keys < n_keys, other=0) != 0
-    if KEYS_ON_ROWS:
-        return tl.where(real[:, None], s, float("-inf"))
+def real_keys(key_padding, keys, n_keys):
+    """Which of ``keys`` are real, given one batch row of the (uint8) key padding mask."""
+    return tl.load(key_padding + keys, mask=keys < n_keys, other=0) != 0
+
+
+@triton.jit
+def padding_bounds(key_bounds, batch, seqlen_k, HAS_KEY_PADDING: tl.constexpr):
+    """(prefix, end) of a sequence's keys: every key before ``prefix`` is real and every key from
+    ``end`` on is padding, so tiles before ``prefix`` skip the padding mask and those from ``end`` on
+    are never visited. (seqlen_k, seqlen_k) without padding."""
+    if HAS_KEY_PADDING:
+        return tl.load(key_bounds + 2 * batch), tl.load(key_bounds + 2 * batch + 1)
     else:
-        return tl.where(real[None, :], s, float("-inf"))
+        return seqlen_k, seqlen_k
+
+
+@triton.jit
+def _padding_bounds_kernel(mask, stride_b, n_keys, bounds, BLOCK: tl.constexpr):
+    """One program per batch row: its ``padding_bounds`` (prefix, end)."""
+    row = mask + tl.program_id(0) * stride_b
+    prefix = n_keys
+    end = 0
+    for start in range(0, n_keys, BLOCK):
+        keys = start + tl.arange(0, BLOCK)
+        inside = keys < n_keys
+        real = tl.load(row + keys, mask=inside, other=0) != 0
+        prefix = tl.minimum(prefix, tl.min(tl.where(inside & ~real, keys, n_keys)))
+        end = tl.maximum(end, tl.max(tl.where(real, keys + 1, 0)))
+    tl.store(bounds + 2 * tl.program_id(0), prefix)
+    tl.store(bounds + 2 * tl.program_id(0) + 1, end)
+
+
+def key_padding_args(key_padding_mask):
+    """The kernels' key padding arguments for a (B, S_k) bool mask with a unit last stride, or
+    None: the mask as uint8, its batch stride, and int32 (B, 2) ``padding_bounds``."""
+    if key_padding_mask is None:
+        return None, 0, None
+    mask = key_padding_mask.view(torch.uint8)
+    bounds = torch.empty(mask.shape[0], 2, dtype=torch.int32, device=mask.device)
+    _padding_bounds_kernel[(mask.shape[0],)](mask, mask.stride(0), mask.shape[1], bounds, BLOCK=1024)
+    return mask, mask.stride(0), bounds
 
 
 @triton.jit

@@ -3,8 +3,9 @@
 Pattern: ``x.contiguous()`` as q, k or v, with ``x`` unit-strided in its last axis (e.g. a
 (B, S, H, D) projection transposed to (B, H, S, D)). Replacement: ``x``. Every kernel behind the op
 takes such strides (the fused ones read them in place), so the copy is not needed. The op's output
-is always a contiguous (B, H, S, D) tensor, so a ``transpose(1, 2).contiguous()`` after attention
-remains a copy. A copy whose source is modified in place stays: the op would read the edited source.
+lies in q's memory order, so a ``transpose(1, 2).contiguous()`` after attention copies nothing
+when q was such a transpose. A copy whose source is modified in place stays: the op would read
+the edited source.
 """
 from torch.fx import Node
 

@@ -42,3 +42,24 @@ return (transpose_3)""")
         self.assertIn("attn_cp.attention.default(l_q_, contiguous, l_v_, None, False, None)", graph)
         self.assertEqual(sites[0].notes, [])
         assert_matches_eager(head_dim_strided, q, kt, v)
+
+    def test_results_follow_the_inputs_layouts(self):
+        """The output lies in q's memory order and each gradient like its input, fake and real
+        alike: an output transposed back to (B, S, H, D) is contiguous, with no copy."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        torch.manual_seed(0)
+        q, k = (torch.randn(2, 24, 4, 16).transpose(1, 2) for _ in range(2))
+        v = torch.randn(2, 4, 24, 8)
+        out, lse = torch.ops.attn_cp.attention(q, k, v, None, True)
+        self.assertTrue(out.transpose(1, 2).is_contiguous())
+        grads = torch.ops.attn_cp.attention_backward(torch.randn_like(out), q, k, v, out, lse, None, True, None, -1, -1,
+                                                     None, 0)
+        self.assertEqual([g.stride() for g in grads], [x.stride() for x in (q, k, v)])
+        with FakeTensorMode() as mode:
+            fake = [mode.from_tensor(x) for x in (q, k, v)]
+            fake_out, fake_lse = torch.ops.attn_cp.attention(*fake, None, True)
+            fake_grads = torch.ops.attn_cp.attention_backward(mode.from_tensor(out), *fake, fake_out, fake_lse, None,
+                                                              True, None, -1, -1, None, 0)
+        self.assertEqual(fake_out.stride(), out.stride())
+        self.assertEqual([g.stride() for g in fake_grads], [g.stride() for g in grads])

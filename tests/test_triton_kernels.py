@@ -22,7 +22,7 @@ pytest.importorskip("triton", reason="the Triton kernels need the triton package
 
 from attn_compile.kernels import reference, triton_attention as ta  # noqa: E402
 from attn_compile.kernels.problem import Problem  # noqa: E402
-from attn_compile.kernels.triton_tiles import INTERPRET  # noqa: E402
+from attn_compile.kernels.triton_tiles import INTERPRET, key_padding_args  # noqa: E402
 from oracle import naive_attention, rel_err  # noqa: E402
 from shapes import make_qkv  # noqa: E402
 
@@ -116,6 +116,36 @@ def test_key_padding(case):
     torch.manual_seed(10)
     heads, s_q, s_k, masking = PADDED_CASES[case]
     _check(heads, s_q, s_k, batch=2, key_padding_mask=_key_padding(2, s_k, left=19, right=13), **masking)
+
+
+def test_padding_bounds_across_blocks():
+    """(prefix, end) per batch row: keys before prefix are real, keys from end on are padding."""
+    mask = torch.rand(5, 2500, device=DEVICE) > 0.3
+    mask[0] = True
+    mask[1] = False
+    mask[2, :1500] = True
+    mask[3, 2100:] = False
+    mask[4, 1024] = True
+    mask[4, :1024] = False
+    mask[4, 1025:] = False
+    bounds = key_padding_args(mask)[2].cpu().tolist()
+    for row, (prefix, end) in zip(mask.cpu(), bounds):
+        real = row.nonzero().flatten().tolist()
+        assert prefix == next((i for i, r in enumerate(row.tolist()) if not r), len(row))
+        assert end == (real[-1] + 1 if real else 0)
+    assert [tuple(b) for b in bounds[:2]] == [(2500, 2500), (0, 0)] and bounds[4] == [0, 1025]
+
+
+def test_key_padding_with_holes():
+    """Padding between real keys, a whole tile of it, and a row whose last two key tiles are padding:
+    the kernels skip the mask on tiles before the first padded key and visit none after the last
+    real one."""
+    torch.manual_seed(12)
+    mask = torch.ones(2, 64, dtype=torch.bool, device=DEVICE)
+    mask[0, 20:24] = mask[0, 32:48] = mask[0, 55] = False
+    mask[1, 30:] = False
+    _check("gqa", 64, 64, batch=2, is_causal=True, key_padding_mask=mask)
+    _check("gqa_mla", 40, 64, batch=2, key_padding_mask=mask)
 
 
 def test_key_padding_of_every_key():
