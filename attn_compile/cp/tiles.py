@@ -6,7 +6,9 @@ work through here. Every (query chunk, key chunk) pair is classified from positi
 from different documents or outside the mask is skipped, a fully
 visible one runs unmasked, a partly visible one runs masked at its positions. Fully visible pairs
 that are adjacent in both buffers run as one call, so a zigzag step off the diagonal is one
-half-size call and a diagonal chunk one square causal call.
+half-size call. A shard's causal attention to its own keys is one causal call over its rows
+(``_causal_over_rows``): fewer, larger calls, and causal ones, which cuDNN's backward runs faster
+than full ones (about 470 against 300 TFLOP/s for MLA 192/128 on an H200).
 """
 import functools
 import itertools
@@ -44,9 +46,25 @@ def _adjacent_runs(chunks, keep):
     return runs
 
 
+def _causal_over_rows(q_chunks, k_chunks, is_causal, window) -> bool:
+    """Causal attention over buffer rows equals it over positions: the keys are the queries' own
+    chunks, of one document, back to back in the buffer and in increasing position (gaps allowed:
+    a later chunk sees all of an earlier one, an earlier none of a later)."""
+    return (
+        is_causal and tuple(window) == NO_WINDOW and q_chunks == k_chunks
+        and len({chunk.document for chunk in q_chunks}) == 1
+        and all(a.row + a.length == b.row and a.position + a.length <= b.position
+                for a, b in zip(q_chunks, q_chunks[1:]))
+    )
+
+
 @functools.lru_cache(maxsize=1024)
 def plan_tiles(q_chunks: tuple, k_chunks: tuple, is_causal: bool, window: tuple = NO_WINDOW) -> tuple[Tile, ...]:
     """Tiles for the query chunks against the key chunks (``layout.Chunk``s)."""
+    if _causal_over_rows(q_chunks, k_chunks, is_causal, window):
+        start = q_chunks[0].position
+        return (Tile(_rows(q_chunks), _rows(k_chunks), dict(is_causal=True, window=window, q_offset=start,
+                                                            k_offset=start)),)
     left, right = effective_window(is_causal, window)
     by_document = {}
     for chunk in k_chunks:
