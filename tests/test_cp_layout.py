@@ -15,28 +15,13 @@ from attn_compile.kernels import attention_forward
 from attn_compile.kernels.visibility import effective_window, visible
 from dist_harness import run_distributed
 from oracle import naive_attention, rel_err
+from tile_coverage import covered
 
 LAYOUTS = ("zigzag", "contiguous")
 
 
 def _positions(chunks):
     return torch.tensor([c.position + i for c in chunks for i in range(c.length)])
-
-
-def _covered(tiles, q_chunks, k_chunks, seq, is_causal, window):
-    """How many times each (query, key) pair of global positions is computed by the tiles; masked
-    tiles see the pairs their offsets make visible, as the kernels do."""
-    q_pos, k_pos = _positions(q_chunks), _positions(k_chunks)
-    count = torch.zeros(seq, seq, dtype=torch.long)
-    for tile in tiles:
-        qp, kp = q_pos[tile.q_rows], k_pos[tile.k_rows]
-        seen = torch.ones(len(qp), len(kp), dtype=torch.bool)
-        if tile.masking:
-            mask = tile.masking
-            seen = visible(torch.arange(len(qp)) + mask["q_offset"], torch.arange(len(kp)) + mask["k_offset"],
-                           *effective_window(mask["is_causal"], mask["window"]))
-        count[qp[:, None], kp[None, :]] += seen.long()
-    return count
 
 
 @pytest.mark.parametrize("window", [(-1, -1), (3, 0), (2, 5)])
@@ -49,13 +34,12 @@ def test_tiles_compute_every_visible_pair_once(cp, is_causal, layout, window):
     want = visible(torch.arange(seq), torch.arange(seq), *effective_window(is_causal, window)).long()
     for q_rank in range(cp):
         q_chunks = sharding.chunks(q_rank)
-        count = sum(_covered(plan_tiles(q_chunks, sharding.chunks(kv_rank), is_causal, window), q_chunks,
-                             sharding.chunks(kv_rank), seq, is_causal, window) for kv_rank in range(cp))
-        whole = plan_tiles(q_chunks, sharding.whole_chunks(), is_causal, window)
         rows = _positions(q_chunks)
+        count = sum(covered(plan_tiles(q_chunks, sharding.chunks(kv_rank), is_causal, window), rows,
+                            _positions(sharding.chunks(kv_rank)), seq) for kv_rank in range(cp))
+        whole = plan_tiles(q_chunks, sharding.whole_chunks(), is_causal, window)
         assert torch.equal(count[rows], want[rows])
-        assert torch.equal(_covered(whole, q_chunks, sharding.whole_chunks(), seq, is_causal, window)[rows],
-                           want[rows])
+        assert torch.equal(covered(whole, rows, _positions(sharding.whole_chunks()), seq)[rows], want[rows])
 
 
 @pytest.mark.parametrize("cp", [2, 4])

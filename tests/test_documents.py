@@ -13,6 +13,7 @@ from attn_compile.cp.documents import DocumentSharding, chunk_bounds
 from attn_compile.cp.tiles import plan_tiles
 from attn_compile.kernels.visibility import effective_window, visible
 from dist_harness import run_distributed
+from tile_coverage import covered
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -135,21 +136,6 @@ def test_shard_and_unshard_varlen(world):
     run_distributed(_check_shard_and_unshard, world)
 
 
-def _covered(tiles, q_tokens, k_tokens, total):
-    """How many times the tiles compute each (query, key) pair of batch tokens; masked tiles see the
-    pairs their offsets make visible, as the kernels do."""
-    count = torch.zeros(total, total, dtype=torch.long)
-    for tile in tiles:
-        q, k = q_tokens[tile.q_rows], k_tokens[tile.k_rows]
-        seen = torch.ones(len(q), len(k), dtype=torch.bool)
-        if tile.masking:
-            mask = tile.masking
-            seen = visible(torch.arange(len(q)) + mask["q_offset"], torch.arange(len(k)) + mask["k_offset"],
-                           *effective_window(mask["is_causal"], mask["window"]))
-        count[q[:, None], k[None, :]] += seen.long()
-    return count
-
-
 @pytest.mark.parametrize("window", [(-1, -1), (3, 0), (2, 2)])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("is_causal", [False, True])
@@ -163,9 +149,9 @@ def test_tiles_compute_every_visible_pair_of_a_document_once(cp, is_causal, layo
     held, total = _held(sharding), cu[-1]
     for q_rank, q_tokens in enumerate(held):
         q_chunks = sharding.chunks(q_rank)
-        ring = sum(_covered(plan_tiles(q_chunks, sharding.chunks(k_rank), is_causal, window), q_tokens, k_tokens,
+        ring = sum(covered(plan_tiles(q_chunks, sharding.chunks(k_rank), is_causal, window), q_tokens, k_tokens,
                             total) for k_rank, k_tokens in enumerate(held))
-        whole = _covered(plan_tiles(q_chunks, sharding.whole_chunks(), is_causal, window), q_tokens,
+        whole = covered(plan_tiles(q_chunks, sharding.whole_chunks(), is_causal, window), q_tokens,
                          torch.arange(total), total)
         assert torch.equal(ring[q_tokens], want[q_tokens])
         assert torch.equal(whole[q_tokens], want[q_tokens])
