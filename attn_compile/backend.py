@@ -9,7 +9,7 @@ import warnings
 
 import torch
 
-from . import cost_model
+from . import cost_model, inductor_cache
 from .cp.layout import LAYOUTS
 from .passes import PassFailure, rewrite_attention
 from .passes.placements import distribute_attention
@@ -57,7 +57,7 @@ def _inner_compile(gm, example_inputs, inner: str, mode):
     from torch._inductor.compile_fx import compile_fx
 
     patches = torch._inductor.list_mode_options(mode) if mode is not None else {}
-    return compile_fx(gm, example_inputs, config_patches=patches)
+    return compile_fx(gm, example_inputs, config_patches={**patches, **inductor_cache.config_patches()})
 
 
 def _may_compile_unchanged(opts) -> bool:

@@ -147,3 +147,43 @@ def test_mode_needs_inductor():
                                          "got inner='eager'$"):
         backend.attn_cp(gm, [torch.randn(3)], mode="max-autotune", options={"inner": "eager"})
 
+
+
+def test_inductor_caches_key_on_the_package_source(monkeypatch):
+    """Inductor caches compiled code by graph, config and torch version; code cached with other
+    versions of the ops (whose fake functions may lay results out otherwise) must not come back.
+    The inner compile carries a no-op pass whose uuid, part of Inductor's cache keys, hashes the
+    package's source, passes and kernels included."""
+    import torch._inductor.compile_fx as compile_fx_module
+    from pathlib import Path
+
+    from attn_compile import inductor_cache
+
+    patches = {}
+
+    def spy(gm, example_inputs, config_patches=None):
+        patches.update(config_patches)
+        return gm.forward
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", spy)
+    torch._dynamo.reset()
+    q, k, v = make_qkv("mha", s_q=8)
+    torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), backend="attn_cp")(q, k, v)
+    stamp = patches["post_grad_custom_post_pass"].uuid()
+    assert stamp == inductor_cache.source_hash()
+
+    read = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda p: read(p) + (b"#" if p.name == "result_layout.py" else b""))
+    inductor_cache.source_hash.cache_clear()
+    try:
+        assert inductor_cache.source_hash() != stamp
+    finally:
+        monkeypatch.undo()
+        inductor_cache.source_hash.cache_clear()
+    assert inductor_cache.source_hash() == stamp
+
+    import torch._inductor.config as inductor_config
+
+    own = inductor_cache.SourceStamp()
+    with inductor_config.patch(post_grad_custom_post_pass=own):
+        assert inductor_cache.config_patches() == {}  # a user's own pass is left in place

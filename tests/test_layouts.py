@@ -63,3 +63,19 @@ return (transpose_3)""")
                                                               True, None, -1, -1, None, 0)
         self.assertEqual(fake_out.stride(), out.stride())
         self.assertEqual([g.stride() for g in fake_grads], [g.stride() for g in grads])
+
+    def test_inductor_may_lay_the_inputs_out_otherwise_than_it_traced_them(self):
+        """Inductor may hand the op q with other strides than the trace had; the results' strides
+        must not follow them (the fake output's strides are checked against the real ones)."""
+        from attn_compile.demo import TinyGQATransformer
+
+        torch.manual_seed(0)
+        model = TinyGQATransformer().eval()
+        tokens = torch.randint(0, 256, (2, 32))
+        with torch.no_grad():
+            torch.testing.assert_close(torch.compile(model, backend="attn_cp")(tokens), model(tokens),
+                                       atol=1e-5, rtol=1e-5)
+        torch._dynamo.reset()
+        weight = model.blocks[0].attn.q.weight
+        got = torch.autograd.grad(torch.compile(model, backend="attn_cp")(tokens).sum(), weight)
+        torch.testing.assert_close(got, torch.autograd.grad(model(tokens).sum(), weight), atol=1e-5, rtol=1e-5)
