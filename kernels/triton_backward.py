@@ -107,8 +107,8 @@ def _dq_kernel(Q, K, V, DO, O, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k, KeyPa
                    False)
     if HAS_KEY_PADDING:
         dq = _dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, key_padding, rows, cols, plain_hi, full_hi, seqlen_k,
-                       before, after, qk_scale, stride_ks, stride_vs, d_qk, d_v, D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
-                       False, True)
+                       before, after, qk_scale, stride_ks, stride_vs, d_qk, d_v, D_QK, D_V, BLOCK_DQK, BLOCK_DV,
+                       BLOCK_N, False, True)
     dq = _dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, key_padding, rows, cols, full_hi, hi, seqlen_k, before,
                    after, qk_scale, stride_ks, stride_vs, d_qk, d_v, D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, True,
                    HAS_KEY_PADDING)
