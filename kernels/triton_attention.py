@@ -45,6 +45,22 @@ def _unit_last(*tensors):
     return tuple(x if x.stride(-1) == 1 else x.contiguous() for x in tensors)
 
 
+def _descriptor_ready(*tensors):
+    """The kernels read q, k, v, out and dout through tensor descriptors (TMA on Hopper), which
+    need a unit last stride and 16-byte aligned other strides and start. A tensor without them,
+    say a bf16 head dim that is not a multiple of 8, is copied into rows padded to 16 bytes."""
+    def aligned(x):
+        strides = (stride * x.element_size() for stride, size in zip(x.stride()[:-1], x.shape) if size > 1)
+        return x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(stride % 16 == 0 for stride in strides)
+
+    def padded_copy(x):
+        per_row = 16 // x.element_size()
+        width = -(-x.shape[-1] // per_row) * per_row
+        return x.new_empty(*x.shape[:-1], width)[..., :x.shape[-1]].copy_(x)
+
+    return tuple(x if aligned(x) else padded_copy(x) for x in tensors)
+
+
 def _check_inputs(q, k, v, packed=False):
     """q, k, v as (B, H, S, D), or (total, H, D) when ``packed``."""
     layout = "(total, H, D)" if packed else "(B, H, S, D)"
@@ -65,7 +81,7 @@ def _check_inputs(q, k, v, packed=False):
         raise ValueError(f"k: {k.shape[1]} heads do not divide q's {q.shape[1]}")
     if not packed and k.shape[0] != q.shape[0]:
         raise ValueError(f"k: batch {k.shape[0]} differs from q's {q.shape[0]}")
-    return _unit_last(q, k, v)
+    return _descriptor_ready(q, k, v)
 
 
 def _check_result(dout, out, lse, q, v):
@@ -79,7 +95,7 @@ def _check_result(dout, out, lse, q, v):
         raise ValueError(f"dout: dtype {dout.dtype} differs from q's {q.dtype}")
     if tuple(lse.shape) != tuple(q.shape[:-1]):
         raise ValueError(f"lse: expected shape {tuple(q.shape[:-1])}, got {tuple(lse.shape)}")
-    return _unit_last(dout, out)
+    return _descriptor_ready(dout, out)
 
 
 def _reaches(is_causal, window, q_offset, k_offset, longest):

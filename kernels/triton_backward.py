@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_tiles import (LOG2E, autotune, head_blocks, head_start, key_padding_args, load_tile, padding_bounds,
-                           real_keys, sequence, store_tile, tile_ranges, visible)
+from .triton_tiles import (LOG2E, autotune, head_blocks, head_start, key_padding_args, launch, padding_bounds,
+                           real_keys, rows_of, sequence, store_tile, tile_ranges, visible)
 
 
 @triton.jit
@@ -27,15 +27,13 @@ def _log2_lse(lse_ptrs, ok):
 
 
 @triton.jit
-def _dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, key_padding, rows, cols, tile_lo, tile_hi, seqlen_k, before,
-              after, qk_scale, stride_ks, stride_vs, d_qk, d_v, D_QK: tl.constexpr, D_V: tl.constexpr,
-              BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-              HAS_KEY_PADDING: tl.constexpr):
+def _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, rows, cols, tile_lo, tile_hi, seqlen_k, before,
+              after, qk_scale, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_KEY_PADDING: tl.constexpr):
     for tile in range(tile_lo, tile_hi):
         start = tile * BLOCK_N
         keys = start + cols
-        k = load_tile(k_ptrs + tl.cast(start, tl.int64) * stride_ks, keys < seqlen_k, d_qk, D_QK, BLOCK_DQK)
-        v = load_tile(v_ptrs + tl.cast(start, tl.int64) * stride_vs, keys < seqlen_k, d_v, D_V, BLOCK_DV)
+        k = k_rows.load([start, 0])
+        v = v_rows.load([start, 0])
         s = tl.dot(q, tl.trans(k))
         if MASKED:
             s = tl.where(visible(rows, keys, seqlen_k, before, after), s, float("-inf"))
@@ -75,43 +73,38 @@ def _dq_kernel(Q, K, V, DO, O, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k, KeyPa
     rows_ok = rows < seqlen_q
     cols = tl.arange(0, BLOCK_N)
     d_qk = tl.arange(0, BLOCK_DQK)
-    d_v = tl.arange(0, BLOCK_DV)
 
+    q = rows_of(Q, batch, head, q_start, seqlen_q, stride_qb, stride_qh, stride_qs, D_QK, BLOCK_M, BLOCK_DQK)
+    q = q.load([first, 0])
+    do = rows_of(DO, batch, head, q_start, seqlen_q, stride_dob, stride_doh, stride_dos, D_V, BLOCK_M, BLOCK_DV)
+    do = do.load([first, 0])
+    o = rows_of(O, batch, head, q_start, seqlen_q, stride_ob, stride_oh, stride_os, D_V, BLOCK_M, BLOCK_DV)
+    o = o.load([first, 0])
     row = q_start + first
-    q_ptrs = head_start(Q, batch, head, row, stride_qb, stride_qh, stride_qs)
-    q = load_tile(q_ptrs + offs_m[:, None] * stride_qs + d_qk[None, :], rows_ok, d_qk, D_QK, BLOCK_DQK)
-    do_ptrs = head_start(DO, batch, head, row, stride_dob, stride_doh, stride_dos)
-    do = load_tile(do_ptrs + offs_m[:, None] * stride_dos + d_v[None, :], rows_ok, d_v, D_V, BLOCK_DV)
-    o_ptrs = head_start(O, batch, head, row, stride_ob, stride_oh, stride_os)
-    o = load_tile(o_ptrs + offs_m[:, None] * stride_os + d_v[None, :], rows_ok, d_v, D_V, BLOCK_DV)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
     delta_ptrs = head_start(Delta, batch, head, row, stride_db, stride_dh, stride_ds)
     tl.store(delta_ptrs + offs_m * stride_ds, delta, mask=rows_ok)
     lse = _log2_lse(head_start(Lse, batch, head, row, stride_lb, stride_lh, stride_ls) + offs_m * stride_ls, rows_ok)
 
-    k_ptrs = head_start(K, batch, head // group, k_start, stride_kb, stride_kh, stride_ks)
-    k_ptrs += cols[:, None] * stride_ks + d_qk[None, :]
-    v_ptrs = head_start(V, batch, head // group, k_start, stride_vb, stride_vh, stride_vs)
-    v_ptrs += cols[:, None] * stride_vs + d_v[None, :]
+    k_rows = rows_of(K, batch, head // group, k_start, seqlen_k, stride_kb, stride_kh, stride_ks, D_QK, BLOCK_N,
+                     BLOCK_DQK)
+    v_rows = rows_of(V, batch, head // group, k_start, seqlen_k, stride_vb, stride_vh, stride_vs, D_V, BLOCK_N,
+                     BLOCK_DV)
     key_padding = KeyPadding
     if HAS_KEY_PADDING:
         key_padding += batch * stride_kpb
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
     lo, full_lo, full_hi, hi = tile_ranges(first, last, seqlen_k, before, after, BLOCK_N)
     plain_hi = tl.minimum(tl.maximum(real_prefix // BLOCK_N, full_lo), full_hi)  # tiles with no padding key
-    dq = _dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, key_padding, rows, cols, lo, full_lo, seqlen_k, before,
-                   after, qk_scale, stride_ks, stride_vs, d_qk, d_v, D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, True,
-                   HAS_KEY_PADDING)
-    dq = _dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, key_padding, rows, cols, full_lo, plain_hi, seqlen_k, before,
-                   after, qk_scale, stride_ks, stride_vs, d_qk, d_v, D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, False,
-                   False)
+    dq = _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, rows, cols, lo, full_lo, seqlen_k, before,
+                   after, qk_scale, BLOCK_N, True, HAS_KEY_PADDING)
+    dq = _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, rows, cols, full_lo, plain_hi, seqlen_k, before,
+                   after, qk_scale, BLOCK_N, False, False)
     if HAS_KEY_PADDING:
-        dq = _dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, key_padding, rows, cols, plain_hi, full_hi, seqlen_k,
-                       before, after, qk_scale, stride_ks, stride_vs, d_qk, d_v, D_QK, D_V, BLOCK_DQK, BLOCK_DV,
-                       BLOCK_N, False, True)
-    dq = _dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, key_padding, rows, cols, full_hi, hi, seqlen_k, before,
-                   after, qk_scale, stride_ks, stride_vs, d_qk, d_v, D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, True,
-                   HAS_KEY_PADDING)
+        dq = _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, rows, cols, plain_hi, full_hi, seqlen_k,
+                       before, after, qk_scale, BLOCK_N, False, True)
+    dq = _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, rows, cols, full_hi, hi, seqlen_k, before,
+                   after, qk_scale, BLOCK_N, True, HAS_KEY_PADDING)
 
     dq_ptrs = head_start(DQ, batch, head, row, stride_dqb, stride_dqh, stride_dqs)
     dq_ptrs += offs_m[:, None] * stride_dqs + d_qk[None, :]
@@ -119,10 +112,9 @@ def _dq_kernel(Q, K, V, DO, O, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k, KeyPa
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, real, keys, rows, tile_lo, tile_hi,
-                seqlen_q, seqlen_k, before, after, qk_scale, stride_qs, stride_dos, stride_ls, stride_ds, d_qk, d_v,
-                D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-                BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_KEY_PADDING: tl.constexpr):
+def _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, keys, rows, tile_lo, tile_hi,
+                seqlen_q, before, after, qk_scale, stride_ls, stride_ds, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+                HAS_KEY_PADDING: tl.constexpr):
     """Accumulates into dK, dV over query tiles [tile_lo, tile_hi); scores are kept transposed
     (keys x queries), so ``before`` and ``after`` arrive swapped. ``real``: which keys are real."""
     for tile in range(tile_lo, tile_hi):
@@ -130,8 +122,8 @@ def _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, real, keys,
         queries = start + rows
         ok = queries < seqlen_q
         offset = tl.cast(start, tl.int64)
-        q = load_tile(q_ptrs + offset * stride_qs, ok, d_qk, D_QK, BLOCK_DQK)
-        do = load_tile(do_ptrs + offset * stride_dos, ok, d_v, D_V, BLOCK_DV)
+        q = q_rows.load([start, 0])
+        do = do_rows.load([start, 0])
         lse = _log2_lse(lse_ptrs + offset * stride_ls, ok)
         delta = tl.load(delta_ptrs + offset * stride_ds, mask=ok, other=0.0)
         s = tl.dot(k, tl.trans(q))
@@ -176,10 +168,10 @@ def _dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, cu_seqlens_q, cu_seqlens_k, Ke
     d_qk = tl.arange(0, BLOCK_DQK)
     d_v = tl.arange(0, BLOCK_DV)
 
-    k_ptrs = head_start(K, batch, kv_head, row, stride_kb, stride_kh, stride_ks)
-    k = load_tile(k_ptrs + offs_n[:, None] * stride_ks + d_qk[None, :], keys_ok, d_qk, D_QK, BLOCK_DQK)
-    v_ptrs = head_start(V, batch, kv_head, row, stride_vb, stride_vh, stride_vs)
-    v = load_tile(v_ptrs + offs_n[:, None] * stride_vs + d_v[None, :], keys_ok, d_v, D_V, BLOCK_DV)
+    k = rows_of(K, batch, kv_head, k_start, seqlen_k, stride_kb, stride_kh, stride_ks, D_QK, BLOCK_N, BLOCK_DQK)
+    k = k.load([first, 0])
+    v = rows_of(V, batch, kv_head, k_start, seqlen_k, stride_vb, stride_vh, stride_vs, D_V, BLOCK_N, BLOCK_DV)
+    v = v.load([first, 0])
     dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     real = keys_ok
@@ -194,24 +186,20 @@ def _dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, cu_seqlens_q, cu_seqlens_k, Ke
     heads = tl.cdiv(group, parts)
     head_lo = kv_head * group + part * heads
     for head in range(head_lo, tl.minimum(head_lo + heads, (kv_head + 1) * group)):
-        q_ptrs = head_start(Q, batch, head, q_start, stride_qb, stride_qh, stride_qs)
-        q_ptrs += rows[:, None] * stride_qs + d_qk[None, :]
-        do_ptrs = head_start(DO, batch, head, q_start, stride_dob, stride_doh, stride_dos)
-        do_ptrs += rows[:, None] * stride_dos + d_v[None, :]
+        q_rows = rows_of(Q, batch, head, q_start, seqlen_q, stride_qb, stride_qh, stride_qs, D_QK, BLOCK_M, BLOCK_DQK)
+        do_rows = rows_of(DO, batch, head, q_start, seqlen_q, stride_dob, stride_doh, stride_dos, D_V, BLOCK_M,
+                          BLOCK_DV)
         lse_ptrs = head_start(Lse, batch, head, q_start, stride_lb, stride_lh, stride_ls) + rows * stride_ls
         delta_ptrs = head_start(Delta, batch, head, q_start, stride_db, stride_dh, stride_ds) + rows * stride_ds
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, real, keys, rows,
-                             lo, full_lo, seqlen_q, seqlen_k, after, before, qk_scale, stride_qs, stride_dos,
-                             stride_ls, stride_ds, d_qk, d_v, D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_M, True,
-                             HAS_KEY_PADDING)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, real, keys, rows,
-                             full_lo, full_hi, seqlen_q, seqlen_k, after, before, qk_scale, stride_qs, stride_dos,
-                             stride_ls, stride_ds, d_qk, d_v, D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_M, False,
-                             HAS_KEY_PADDING)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, real, keys, rows,
-                             full_hi, hi, seqlen_q, seqlen_k, after, before, qk_scale, stride_qs, stride_dos,
-                             stride_ls, stride_ds, d_qk, d_v, D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_M, True,
-                             HAS_KEY_PADDING)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, keys, rows,
+                             lo, full_lo, seqlen_q, after, before, qk_scale, stride_ls, stride_ds, BLOCK_M,
+                             True, HAS_KEY_PADDING)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, keys, rows,
+                             full_lo, full_hi, seqlen_q, after, before, qk_scale, stride_ls, stride_ds, BLOCK_M,
+                             False, HAS_KEY_PADDING)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, keys, rows,
+                             full_hi, hi, seqlen_q, after, before, qk_scale, stride_ls, stride_ds, BLOCK_M,
+                             True, HAS_KEY_PADDING)
 
     part = tl.cast(part, tl.int64)
     dk_ptrs = head_start(DK + part * stride_dk_part, batch, kv_head, row, stride_dkb, stride_dkh, stride_dks)
@@ -254,8 +242,8 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, ma
     def dq_grid(meta):
         return triton.cdiv(max_seqlen_q, meta["BLOCK_M"]), h_q, batch
 
-    _dq_kernel[dq_grid](
-        q, k, v, dout, out, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *padding,
+    launch(
+        _dq_kernel, dq_grid, q.device, q, k, v, dout, out, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *padding,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *out.stride()[:3],
         *lse.stride(), *delta.stride(), *dq.stride()[:3],
         max_seqlen_q, max_seqlen_k, group, before, after, qk_scale, scale, **common,
@@ -271,8 +259,8 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, ma
     def dkdv_grid(meta):
         return triton.cdiv(max_seqlen_k, meta["BLOCK_N"]), h_kv * parts, batch
 
-    _dkdv_kernel[dkdv_grid](
-        q, k, v, dout, lse, delta, dk_parts, dv_parts, cu_seqlens_q, cu_seqlens_k, *padding,
+    launch(
+        _dkdv_kernel, dkdv_grid, q.device, q, k, v, dout, lse, delta, dk_parts, dv_parts, cu_seqlens_q, cu_seqlens_k, *padding,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *lse.stride(), *delta.stride(),
         dk_parts.stride(0), *dk_parts.stride()[1:4], dv_parts.stride(0), *dv_parts.stride()[1:4],
         max_seqlen_q, max_seqlen_k, group, parts, before, after, qk_scale, scale, **common,

@@ -1,7 +1,8 @@
 """Flash attention forward in Triton: one program per (query block, query head, sequence),
 online softmax over the key tiles the mask leaves, output and LSE written once.
 
-Tensors come as (B, H, S, D) views with any strides but a unit last one; for packed varlen
+Tensors come as (B, H, S, D) views with a unit last stride, the others and the start 16-byte
+aligned: inputs are read through tensor descriptors (``rows_of``). For packed varlen
 inputs B counts documents, the batch stride is 0, and ``cu_seqlens`` gives each document's rows.
 A dense call may add a (B, S_k) uint8 key padding mask, nonzero for a real key, with each
 sequence's ``padding_bounds``: key tiles after the last real key are skipped, and tiles before the
@@ -10,20 +11,18 @@ first padded key run without loading the mask.
 import triton
 import triton.language as tl
 
-from .triton_tiles import (LN2, LOG2E, autotune, head_blocks, head_start, key_padding_args, load_tile, padding_bounds,
-                           real_keys, sequence, store_tile, tile_ranges, visible)
+from .triton_tiles import (LN2, LOG2E, autotune, head_blocks, head_start, key_padding_args, launch, padding_bounds,
+                           real_keys, rows_of, sequence, store_tile, tile_ranges, visible)
 
 
 @triton.jit
-def _attend(acc, row_sum, row_max, q, k_ptrs, v_ptrs, key_padding, rows, cols, tile_lo, tile_hi, seqlen_k, before,
-            after, qk_scale, stride_ks, stride_vs, d_qk, d_v, D_QK: tl.constexpr, D_V: tl.constexpr,
-            BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-            HAS_KEY_PADDING: tl.constexpr):
+def _attend(acc, row_sum, row_max, q, k_rows, v_rows, key_padding, rows, cols, tile_lo, tile_hi, seqlen_k, before,
+            after, qk_scale, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_KEY_PADDING: tl.constexpr):
     """Online softmax of the query block over key tiles [tile_lo, tile_hi), in base 2."""
     for tile in range(tile_lo, tile_hi):
         start = tile * BLOCK_N
         keys = start + cols
-        k = load_tile(k_ptrs + tl.cast(start, tl.int64) * stride_ks, keys < seqlen_k, d_qk, D_QK, BLOCK_DQK)
+        k = k_rows.load([start, 0])
         s = tl.dot(q, tl.trans(k))  # scaled inside exp2, where it fuses with the shift (qk_scale > 0)
         if MASKED:
             s = tl.where(visible(rows, keys, seqlen_k, before, after), s, float("-inf"))
@@ -36,7 +35,7 @@ def _attend(acc, row_sum, row_max, q, k_ptrs, v_ptrs, key_padding, rows, cols, t
         p = tl.math.exp2(s * qk_scale - shift[:, None])
         alpha = tl.math.exp2(row_max - shift)
         row_sum = row_sum * alpha + tl.sum(p, 1)
-        v = load_tile(v_ptrs + tl.cast(start, tl.int64) * stride_vs, keys < seqlen_k, d_v, D_V, BLOCK_DV)
+        v = v_rows.load([start, 0])
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         row_max = new_max
     return acc, row_sum, row_max
@@ -68,15 +67,14 @@ def _forward_kernel(Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, KeyPadding, s
     offs_m = tl.arange(0, BLOCK_M)
     rows = first + offs_m
     cols = tl.arange(0, BLOCK_N)
-    d_qk = tl.arange(0, BLOCK_DQK)
     d_v = tl.arange(0, BLOCK_DV)
 
-    q_ptrs = head_start(Q, batch, head, q_start + first, stride_qb, stride_qh, stride_qs)
-    q = load_tile(q_ptrs + offs_m[:, None] * stride_qs + d_qk[None, :], rows < seqlen_q, d_qk, D_QK, BLOCK_DQK)
-    k_ptrs = head_start(K, batch, head // group, k_start, stride_kb, stride_kh, stride_ks)
-    k_ptrs += cols[:, None] * stride_ks + d_qk[None, :]
-    v_ptrs = head_start(V, batch, head // group, k_start, stride_vb, stride_vh, stride_vs)
-    v_ptrs += cols[:, None] * stride_vs + d_v[None, :]
+    q = rows_of(Q, batch, head, q_start, seqlen_q, stride_qb, stride_qh, stride_qs, D_QK, BLOCK_M, BLOCK_DQK)
+    q = q.load([first, 0])
+    k_rows = rows_of(K, batch, head // group, k_start, seqlen_k, stride_kb, stride_kh, stride_ks, D_QK, BLOCK_N,
+                     BLOCK_DQK)
+    v_rows = rows_of(V, batch, head // group, k_start, seqlen_k, stride_vb, stride_vh, stride_vs, D_V, BLOCK_N,
+                     BLOCK_DV)
     key_padding = KeyPadding
     if HAS_KEY_PADDING:
         key_padding += batch * stride_kpb
@@ -86,19 +84,15 @@ def _forward_kernel(Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, KeyPadding, s
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     lo, full_lo, full_hi, hi = tile_ranges(first, last, seqlen_k, before, after, BLOCK_N)
     plain_hi = tl.minimum(tl.maximum(real_prefix // BLOCK_N, full_lo), full_hi)  # tiles with no padding key
-    acc, row_sum, row_max = _attend(acc, row_sum, row_max, q, k_ptrs, v_ptrs, key_padding, rows, cols, lo, full_lo,
-                                    seqlen_k, before, after, qk_scale, stride_ks, stride_vs, d_qk, d_v,
-                                    D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, True, HAS_KEY_PADDING)
-    acc, row_sum, row_max = _attend(acc, row_sum, row_max, q, k_ptrs, v_ptrs, key_padding, rows, cols, full_lo,
-                                    plain_hi, seqlen_k, before, after, qk_scale, stride_ks, stride_vs, d_qk, d_v,
-                                    D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, False, False)
+    acc, row_sum, row_max = _attend(acc, row_sum, row_max, q, k_rows, v_rows, key_padding, rows, cols, lo, full_lo,
+                                    seqlen_k, before, after, qk_scale, BLOCK_N, True, HAS_KEY_PADDING)
+    acc, row_sum, row_max = _attend(acc, row_sum, row_max, q, k_rows, v_rows, key_padding, rows, cols, full_lo,
+                                    plain_hi, seqlen_k, before, after, qk_scale, BLOCK_N, False, False)
     if HAS_KEY_PADDING:
-        acc, row_sum, row_max = _attend(acc, row_sum, row_max, q, k_ptrs, v_ptrs, key_padding, rows, cols, plain_hi,
-                                        full_hi, seqlen_k, before, after, qk_scale, stride_ks, stride_vs, d_qk, d_v,
-                                        D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, False, True)
-    acc, row_sum, row_max = _attend(acc, row_sum, row_max, q, k_ptrs, v_ptrs, key_padding, rows, cols, full_hi, hi,
-                                    seqlen_k, before, after, qk_scale, stride_ks, stride_vs, d_qk, d_v,
-                                    D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, True, HAS_KEY_PADDING)
+        acc, row_sum, row_max = _attend(acc, row_sum, row_max, q, k_rows, v_rows, key_padding, rows, cols, plain_hi,
+                                        full_hi, seqlen_k, before, after, qk_scale, BLOCK_N, False, True)
+    acc, row_sum, row_max = _attend(acc, row_sum, row_max, q, k_rows, v_rows, key_padding, rows, cols, full_hi, hi,
+                                    seqlen_k, before, after, qk_scale, BLOCK_N, True, HAS_KEY_PADDING)
     seen = row_sum > 0
     row_sum = tl.where(seen, row_sum, 1.0)
     lse = tl.where(seen, (row_max + tl.math.log2(row_sum)) * LN2, float("-inf"))
@@ -119,8 +113,8 @@ def forward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     def grid(meta):
         return triton.cdiv(max_seqlen_q, meta["BLOCK_M"]), h_q, batch
 
-    _forward_kernel[grid](
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *key_padding_args(key_padding_mask),
+    launch(
+        _forward_kernel, grid, q.device, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *key_padding_args(key_padding_mask),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *lse.stride(),
         max_seqlen_q, max_seqlen_k, h_q // k.shape[1], before, after, scale * LOG2E.value,
         D_QK=d_qk, D_V=d_v, BLOCK_DQK=head_blocks(d_qk), BLOCK_DV=head_blocks(d_v), VARLEN=cu_seqlens_q is not None,

@@ -5,6 +5,7 @@ Masks are given as reaches: row r sees column c when ``r - before <= c <= r + af
 ``c < n_cols``. The op boundary folds the causal/window bounds and the position offsets into
 these two numbers; an unbounded side is ``UNBOUNDED``, farther than any two positions can be.
 """
+import contextvars
 import os
 
 import torch
@@ -44,6 +45,20 @@ def autotune(small, large, key):
     return triton.autotune(every, key=key, prune_configs_by={"early_config_prune": by_head_dims_and_dtype})
 
 
+def launch(kernel, grid, device, *args, **kwargs):
+    """``kernel[grid](*args, **kwargs)`` with the scratch memory its tensor descriptors need,
+    from an allocator set in a copy of the current context: a Triton allocator the caller set
+    stays in place."""
+    def scratch(size, alignment, stream):
+        return torch.empty(size, dtype=torch.int8, device=device)
+
+    def run():
+        triton.set_allocator(scratch)
+        kernel[grid](*args, **kwargs)
+
+    contextvars.copy_context().run(run)
+
+
 def head_blocks(d: int) -> int:
     """The tile width for a head dim: a power of two, at least 16 for the tensor cores."""
     return max(16, triton.next_power_of_2(d))
@@ -68,11 +83,15 @@ def head_start(ptr, batch, head, row, stride_b, stride_h, stride_s):
 
 
 @triton.jit
-def load_tile(ptrs, rows_ok, cols, D: tl.constexpr, BLOCK_D: tl.constexpr):
-    if D == BLOCK_D:
-        return tl.load(ptrs, mask=rows_ok[:, None], other=0.0)
-    else:
-        return tl.load(ptrs, mask=rows_ok[:, None] & (cols < D)[None, :], other=0.0)
+def rows_of(ptr, batch, head, row, n_rows, stride_b, stride_h, stride_s, D: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+            BLOCK_D: tl.constexpr):
+    """A tensor descriptor (TMA on Hopper) over one head's rows [row, row + n_rows): its loads
+    give (BLOCK_ROWS, BLOCK_D) tiles, zero past the last row and past the head dim. The start
+    and strides must be 16-byte aligned (``triton_attention`` makes them so). A length of 0
+    becomes 1, which no tile range reaches."""
+    return tl.make_tensor_descriptor(head_start(ptr, batch, head, row, stride_b, stride_h, stride_s),
+                                     shape=[tl.maximum(n_rows, 1), D], strides=[stride_s, 1],
+                                     block_shape=[BLOCK_ROWS, BLOCK_D])
 
 
 @triton.jit

@@ -170,6 +170,22 @@ def test_strided_inputs():
     _assert_close(got, _oracle(q, k, v, dout, **masking), TOL[torch.float32])
 
 
+def test_unaligned_inputs():
+    """Tensor descriptors need 16-byte aligned rows and starts: a float32 head dim of 5 (20-byte
+    rows) and a q that starts one element into its storage are copied into aligned rows first."""
+    torch.manual_seed(5)
+    storage = torch.randn(2 * 4 * 40 * 5 + 1, device=DEVICE)
+    q = storage[1:].view(2, 4, 40, 5)
+    k, v = torch.randn(2, 2, 40, 5, device=DEVICE), torch.randn(2, 2, 40, 3, device=DEVICE)
+    ready = ta._descriptor_ready(q, k, v)
+    assert all(x.data_ptr() % 16 == 0 and x.stride(-2) % 4 == 0 and torch.equal(x, y) for x, y in zip(ready, (q, k, v)))
+    aligned = torch.randn(2, 2, 40, 8, device=DEVICE)
+    assert ta._descriptor_ready(aligned)[0] is aligned
+    dout = torch.randn(2, 4, 40, 3, device=DEVICE)
+    masking = dict(scale=0.4, is_causal=True, window=(11, -1))
+    _assert_close(_run(q, k, v, dout, **masking), _oracle(q, k, v, dout, **masking), TOL[torch.float32])
+
+
 def test_invisible_tiles_are_never_loaded():
     """Queries at 136..151 with a window of 8 see keys 128..151; NaN keys elsewhere, filling whole
     tiles of up to 128 keys, would reach the result if a skipped tile were loaded."""
@@ -327,6 +343,7 @@ GPU_CASES = {
     "ring-step-half-tile": (1, 4, 4, 512, 2048, 128, 128, dict(is_causal=True, q_offset=2112, k_offset=64)),
     "d256-full": (1, 4, 4, 300, 300, 256, 256, {}),
     "odd-dims": (1, 4, 4, 256, 333, 96, 80, dict(is_causal=True, window=(50, 20))),
+    "unaligned-rows": (2, 4, 2, 200, 260, 20, 12, dict(is_causal=True)),  # 40- and 24-byte rows: copied
 }
 
 
