@@ -15,8 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_tiles import (LOG2E, autotune, head_blocks, head_start, key_padding_args, launch, padding_bounds,
-                           real_keys, rows_of, sequence, store_tile, tile_ranges, visible)
+from .triton_tiles import (LOG2E, autotune, head_blocks, head_start, key_padding_args, key_walk, launch, load_rows,
+                           padding_bounds, query_block, real_keys, rows_of, sequence, store_tile, tile_ranges,
+                           visible)
 
 
 @triton.jit
@@ -60,13 +61,11 @@ def _dq_kernel(Q, K, V, DO, O, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k, KeyPa
                D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                VARLEN: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     batch, head = tl.program_id(2), tl.program_id(1)
-    q_start, seqlen_q = sequence(cu_seqlens_q, batch, seqlen_q, VARLEN)
-    k_start, seqlen_k = sequence(cu_seqlens_k, batch, seqlen_k, VARLEN)
-    real_prefix, seqlen_k = padding_bounds(KeyBounds, batch, seqlen_k, HAS_KEY_PADDING)  # padding to the end: cut
-    block = tl.cdiv(seqlen_q, BLOCK_M) - 1 - tl.program_id(0)
-    if block < 0:
+    q_start, seqlen_q, k_start, seqlen_k, real_prefix, first = query_block(cu_seqlens_q, cu_seqlens_k, KeyBounds, batch,
+                                                                           seqlen_q, seqlen_k, BLOCK_M, VARLEN,
+                                                                           HAS_KEY_PADDING)
+    if first < 0:
         return
-    first = block * BLOCK_M
     last = tl.minimum(first + BLOCK_M, seqlen_q) - 1
     offs_m = tl.arange(0, BLOCK_M)
     rows = first + offs_m
@@ -74,28 +73,24 @@ def _dq_kernel(Q, K, V, DO, O, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k, KeyPa
     cols = tl.arange(0, BLOCK_N)
     d_qk = tl.arange(0, BLOCK_DQK)
 
-    q = rows_of(Q, batch, head, q_start, seqlen_q, stride_qb, stride_qh, stride_qs, D_QK, BLOCK_M, BLOCK_DQK)
-    q = q.load([first, 0])
-    do = rows_of(DO, batch, head, q_start, seqlen_q, stride_dob, stride_doh, stride_dos, D_V, BLOCK_M, BLOCK_DV)
-    do = do.load([first, 0])
-    o = rows_of(O, batch, head, q_start, seqlen_q, stride_ob, stride_oh, stride_os, D_V, BLOCK_M, BLOCK_DV)
-    o = o.load([first, 0])
+    q = load_rows(Q, batch, head, q_start, first, seqlen_q, stride_qb, stride_qh, stride_qs, D_QK, BLOCK_M, BLOCK_DQK)
+    do = load_rows(DO, batch, head, q_start, first, seqlen_q, stride_dob, stride_doh, stride_dos, D_V, BLOCK_M,
+                   BLOCK_DV)
+    o = load_rows(O, batch, head, q_start, first, seqlen_q, stride_ob, stride_oh, stride_os, D_V, BLOCK_M, BLOCK_DV)
     row = q_start + first
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
     delta_ptrs = head_start(Delta, batch, head, row, stride_db, stride_dh, stride_ds)
     tl.store(delta_ptrs + offs_m * stride_ds, delta, mask=rows_ok)
     lse = _log2_lse(head_start(Lse, batch, head, row, stride_lb, stride_lh, stride_ls) + offs_m * stride_ls, rows_ok)
 
-    k_rows = rows_of(K, batch, head // group, k_start, seqlen_k, stride_kb, stride_kh, stride_ks, D_QK, BLOCK_N,
-                     BLOCK_DQK)
-    v_rows = rows_of(V, batch, head // group, k_start, seqlen_k, stride_vb, stride_vh, stride_vs, D_V, BLOCK_N,
-                     BLOCK_DV)
+    k_rows, v_rows, lo, full_lo, plain_hi, full_hi, hi = key_walk(K, V, batch, head // group, k_start, seqlen_k,
+                                                                  real_prefix, first, last, before, after, stride_kb,
+                                                                  stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+                                                                  D_QK, D_V, BLOCK_N, BLOCK_DQK, BLOCK_DV)
     key_padding = KeyPadding
     if HAS_KEY_PADDING:
         key_padding += batch * stride_kpb
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
-    lo, full_lo, full_hi, hi = tile_ranges(first, last, seqlen_k, before, after, BLOCK_N)
-    plain_hi = tl.minimum(tl.maximum(real_prefix // BLOCK_N, full_lo), full_hi)  # tiles with no padding key
     dq = _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, rows, cols, lo, full_lo, seqlen_k, before,
                    after, qk_scale, BLOCK_N, True, HAS_KEY_PADDING)
     dq = _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, rows, cols, full_lo, plain_hi, seqlen_k, before,
@@ -168,10 +163,9 @@ def _dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, cu_seqlens_q, cu_seqlens_k, Ke
     d_qk = tl.arange(0, BLOCK_DQK)
     d_v = tl.arange(0, BLOCK_DV)
 
-    k = rows_of(K, batch, kv_head, k_start, seqlen_k, stride_kb, stride_kh, stride_ks, D_QK, BLOCK_N, BLOCK_DQK)
-    k = k.load([first, 0])
-    v = rows_of(V, batch, kv_head, k_start, seqlen_k, stride_vb, stride_vh, stride_vs, D_V, BLOCK_N, BLOCK_DV)
-    v = v.load([first, 0])
+    k = load_rows(K, batch, kv_head, k_start, first, seqlen_k, stride_kb, stride_kh, stride_ks, D_QK, BLOCK_N,
+                  BLOCK_DQK)
+    v = load_rows(V, batch, kv_head, k_start, first, seqlen_k, stride_vb, stride_vh, stride_vs, D_V, BLOCK_N, BLOCK_DV)
     dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     real = keys_ok
@@ -243,7 +237,8 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, ma
         return triton.cdiv(max_seqlen_q, meta["BLOCK_M"]), h_q, batch
 
     launch(
-        _dq_kernel, dq_grid, q.device, q, k, v, dout, out, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *padding,
+        _dq_kernel, dq_grid, q.device,
+        q, k, v, dout, out, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *padding,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *out.stride()[:3],
         *lse.stride(), *delta.stride(), *dq.stride()[:3],
         max_seqlen_q, max_seqlen_k, group, before, after, qk_scale, scale, **common,
@@ -260,7 +255,8 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, ma
         return triton.cdiv(max_seqlen_k, meta["BLOCK_N"]), h_kv * parts, batch
 
     launch(
-        _dkdv_kernel, dkdv_grid, q.device, q, k, v, dout, lse, delta, dk_parts, dv_parts, cu_seqlens_q, cu_seqlens_k, *padding,
+        _dkdv_kernel, dkdv_grid, q.device,
+        q, k, v, dout, lse, delta, dk_parts, dv_parts, cu_seqlens_q, cu_seqlens_k, *padding,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *lse.stride(), *delta.stride(),
         dk_parts.stride(0), *dk_parts.stride()[1:4], dv_parts.stride(0), *dv_parts.stride()[1:4],
         max_seqlen_q, max_seqlen_k, group, parts, before, after, qk_scale, scale, **common,

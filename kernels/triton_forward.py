@@ -11,8 +11,8 @@ first padded key run without loading the mask.
 import triton
 import triton.language as tl
 
-from .triton_tiles import (LN2, LOG2E, autotune, head_blocks, head_start, key_padding_args, launch, padding_bounds,
-                           real_keys, rows_of, sequence, store_tile, tile_ranges, visible)
+from .triton_tiles import (LN2, LOG2E, autotune, head_blocks, head_start, key_padding_args, key_walk, launch,
+                           load_rows, query_block, real_keys, store_tile, visible)
 
 
 @triton.jit
@@ -56,25 +56,22 @@ def _forward_kernel(Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, KeyPadding, s
                     VARLEN: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr):
     batch, head = tl.program_id(2), tl.program_id(1)
-    q_start, seqlen_q = sequence(cu_seqlens_q, batch, seqlen_q, VARLEN)
-    k_start, seqlen_k = sequence(cu_seqlens_k, batch, seqlen_k, VARLEN)
-    real_prefix, seqlen_k = padding_bounds(KeyBounds, batch, seqlen_k, HAS_KEY_PADDING)  # padding to the end: cut
-    block = tl.cdiv(seqlen_q, BLOCK_M) - 1 - tl.program_id(0)  # the last rows see the most keys: start them first
-    if block < 0:
+    q_start, seqlen_q, k_start, seqlen_k, real_prefix, first = query_block(cu_seqlens_q, cu_seqlens_k, KeyBounds, batch,
+                                                                           seqlen_q, seqlen_k, BLOCK_M, VARLEN,
+                                                                           HAS_KEY_PADDING)
+    if first < 0:
         return
-    first = block * BLOCK_M
     last = tl.minimum(first + BLOCK_M, seqlen_q) - 1
     offs_m = tl.arange(0, BLOCK_M)
     rows = first + offs_m
     cols = tl.arange(0, BLOCK_N)
     d_v = tl.arange(0, BLOCK_DV)
 
-    q = rows_of(Q, batch, head, q_start, seqlen_q, stride_qb, stride_qh, stride_qs, D_QK, BLOCK_M, BLOCK_DQK)
-    q = q.load([first, 0])
-    k_rows = rows_of(K, batch, head // group, k_start, seqlen_k, stride_kb, stride_kh, stride_ks, D_QK, BLOCK_N,
-                     BLOCK_DQK)
-    v_rows = rows_of(V, batch, head // group, k_start, seqlen_k, stride_vb, stride_vh, stride_vs, D_V, BLOCK_N,
-                     BLOCK_DV)
+    q = load_rows(Q, batch, head, q_start, first, seqlen_q, stride_qb, stride_qh, stride_qs, D_QK, BLOCK_M, BLOCK_DQK)
+    k_rows, v_rows, lo, full_lo, plain_hi, full_hi, hi = key_walk(K, V, batch, head // group, k_start, seqlen_k,
+                                                                  real_prefix, first, last, before, after, stride_kb,
+                                                                  stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+                                                                  D_QK, D_V, BLOCK_N, BLOCK_DQK, BLOCK_DV)
     key_padding = KeyPadding
     if HAS_KEY_PADDING:
         key_padding += batch * stride_kpb
@@ -82,8 +79,6 @@ def _forward_kernel(Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, KeyPadding, s
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    lo, full_lo, full_hi, hi = tile_ranges(first, last, seqlen_k, before, after, BLOCK_N)
-    plain_hi = tl.minimum(tl.maximum(real_prefix // BLOCK_N, full_lo), full_hi)  # tiles with no padding key
     acc, row_sum, row_max = _attend(acc, row_sum, row_max, q, k_rows, v_rows, key_padding, rows, cols, lo, full_lo,
                                     seqlen_k, before, after, qk_scale, BLOCK_N, True, HAS_KEY_PADDING)
     acc, row_sum, row_max = _attend(acc, row_sum, row_max, q, k_rows, v_rows, key_padding, rows, cols, full_lo,
@@ -114,7 +109,8 @@ def forward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
         return triton.cdiv(max_seqlen_q, meta["BLOCK_M"]), h_q, batch
 
     launch(
-        _forward_kernel, grid, q.device, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *key_padding_args(key_padding_mask),
+        _forward_kernel, grid, q.device,
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *key_padding_args(key_padding_mask),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *lse.stride(),
         max_seqlen_q, max_seqlen_k, h_q // k.shape[1], before, after, scale * LOG2E.value,
         D_QK=d_qk, D_V=d_v, BLOCK_DQK=head_blocks(d_qk), BLOCK_DV=head_blocks(d_v), VARLEN=cu_seqlens_q is not None,
