@@ -46,8 +46,9 @@ def _unit_last(*tensors):
 
 
 def _descriptor_ready(*tensors):
-    """The kernels read q, k, v, out and dout through tensor descriptors (TMA on Hopper), which
-    need a unit last stride and 16-byte aligned other strides and start. A tensor without them,
+    """The kernels' loops read k and v (and q and dout in the backward) through tensor
+    descriptors (TMA on Hopper), which need a unit last stride and 16-byte aligned other strides
+    and start. A tensor without them,
     say a bf16 head dim that is not a multiple of 8, is copied into rows padded to 16 bytes."""
     def aligned(x):
         strides = (stride * x.element_size() for stride, size in zip(x.stride()[:-1], x.shape) if size > 1)
@@ -95,7 +96,7 @@ def _check_result(dout, out, lse, q, v):
         raise ValueError(f"dout: dtype {dout.dtype} differs from q's {q.dtype}")
     if tuple(lse.shape) != tuple(q.shape[:-1]):
         raise ValueError(f"lse: expected shape {tuple(q.shape[:-1])}, got {tuple(lse.shape)}")
-    return _descriptor_ready(dout, out)
+    return _descriptor_ready(dout)[0], _unit_last(out)[0]
 
 
 def _reaches(is_causal, window, q_offset, k_offset, longest):
