@@ -48,8 +48,8 @@ def _unit_last(*tensors):
 def _descriptor_ready(*tensors):
     """The kernels' loops read k and v (and q and dout in the backward) through tensor
     descriptors (TMA on Hopper), which need a unit last stride and 16-byte aligned other strides
-    and start. A tensor without them,
-    say a bf16 head dim that is not a multiple of 8, is copied into rows padded to 16 bytes."""
+    and start. A tensor without them, say a bf16 head dim that is not a multiple of 8, is copied
+    into rows padded to 16 bytes."""
     def aligned(x):
         strides = (stride * x.element_size() for stride, size in zip(x.stride()[:-1], x.shape) if size > 1)
         return x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(stride % 16 == 0 for stride in strides)
@@ -63,7 +63,7 @@ def _descriptor_ready(*tensors):
 
 
 def _check_inputs(q, k, v, packed=False):
-    """q, k, v as (B, H, S, D), or (total, H, D) when ``packed``."""
+    """q, k, v as (B, H, S, D), or (total, H, D) when ``packed``, with a unit last stride."""
     layout = "(total, H, D)" if packed else "(B, H, S, D)"
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != (3 if packed else 4):
@@ -82,7 +82,7 @@ def _check_inputs(q, k, v, packed=False):
         raise ValueError(f"k: {k.shape[1]} heads do not divide q's {q.shape[1]}")
     if not packed and k.shape[0] != q.shape[0]:
         raise ValueError(f"k: batch {k.shape[0]} differs from q's {q.shape[0]}")
-    return _descriptor_ready(q, k, v)
+    return _unit_last(q, k, v)
 
 
 def _check_result(dout, out, lse, q, v):
@@ -135,6 +135,7 @@ def attention_forward(q, k, v, *, scale, is_causal=False, window=(-1, -1), attn_
     """Returns (out (B, h_q, S_q, d_v) in q's dtype, lse (B, h_q, S_q) float32)."""
     _check_scale_and_mask(scale, attn_mask)
     q, k, v = _check_inputs(q, k, v)
+    k, v = _descriptor_ready(k, v)
     key_padding = _key_padding(key_padding_mask, k)
     before, after = _reaches(is_causal, window, q_offset, k_offset, max(q.shape[2], k.shape[2]))
     out = empty_out(q, v.shape[-1])
@@ -147,7 +148,7 @@ def attention_backward(dout, q, k, v, out, lse, *, scale, is_causal=False, windo
                        key_padding_mask=None, q_offset=0, k_offset=0):
     """(dq, dk, dv) given the final out and lse, which may merge this call with others."""
     _check_scale_and_mask(scale, attn_mask)
-    q, k, v = _check_inputs(q, k, v)
+    q, k, v = _descriptor_ready(*_check_inputs(q, k, v))
     key_padding = _key_padding(key_padding_mask, k)
     dout, out = _check_result(dout, out, lse, q, v)
     before, after = _reaches(is_causal, window, q_offset, k_offset, max(q.shape[2], k.shape[2]))
@@ -178,6 +179,7 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     """Returns (out (total_q, h_q, d_v) in q's dtype, lse (total_q, h_q) float32)."""
     _check_scale_and_mask(scale)
     q, k, v = _check_inputs(q, k, v, packed=True)
+    k, v = _descriptor_ready(k, v)
     n = _check_documents(cu_seqlens_q, cu_seqlens_k)
     before, after = _reaches(is_causal, window, 0, 0, max(max_seqlen_q, max_seqlen_k))
     out = q.new_empty(*q.shape[:-1], v.shape[-1])
@@ -191,7 +193,7 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
                     is_causal=False, window=(-1, -1)):
     """(dq, dk, dv) of ``varlen_forward``, given its (possibly merged) out and lse."""
     _check_scale_and_mask(scale)
-    q, k, v = _check_inputs(q, k, v, packed=True)
+    q, k, v = _descriptor_ready(*_check_inputs(q, k, v, packed=True))
     dout, out = _check_result(dout, out, lse, q, v)
     n = _check_documents(cu_seqlens_q, cu_seqlens_k)
     before, after = _reaches(is_causal, window, 0, 0, max(max_seqlen_q, max_seqlen_k))

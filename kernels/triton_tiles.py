@@ -103,9 +103,8 @@ def rows_of(ptr, batch, head, row, n_rows, stride_b, stride_h, stride_s, D: tl.c
             BLOCK_D: tl.constexpr):
     """A tensor descriptor (TMA on Hopper) over one head's rows [row, row + n_rows), for the tiles
     a loop walks: its loads give (BLOCK_ROWS, BLOCK_D) tiles, zero past the last row and past
-    the head dim. The start
-    and strides must be 16-byte aligned (``triton_attention`` makes them so). A length of 0
-    becomes 1, which no tile range reaches."""
+    the head dim. The start and strides must be 16-byte aligned (``triton_attention`` makes them
+    so). A length of 0 becomes 1, which no tile range reaches."""
     return tl.make_tensor_descriptor(head_start(ptr, batch, head, row, stride_b, stride_h, stride_s),
                                      shape=[tl.maximum(n_rows, 1), D], strides=[stride_s, 1],
                                      block_shape=[BLOCK_ROWS, BLOCK_D])
