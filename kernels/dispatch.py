@@ -122,12 +122,13 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
                     **masking)
 
 
-def merge_into(out, lse, part_out, part_lse) -> None:
-    """In place: the running (out, lse) becomes the attention over its keys and part's. One fused
+def merge_into(out, lse, part_out, part_lse, *, into=None) -> None:
+    """The running (out, lse) becomes the attention over its keys and part's: lse in place, out in
+    place or, given ``into``, written there (in into's dtype; out is then left as it was). One fused
     Triton kernel for float32 results on CUDA, else the reference (float64 results, the CPU)."""
     fused = (merge_forward is not None and out.is_cuda and out.dtype == lse.dtype == torch.float32
              and torch.cuda.get_device_capability(out.device) >= (8, 0))
     if fused:
-        merge_forward(out, lse, part_out, part_lse, out=out, lse=lse)
+        merge_forward(out, lse, part_out, part_lse, out=out if into is None else into, lse=lse)
     else:
-        reference.merge_into(out, lse, part_out, part_lse)
+        reference.merge_into(out, lse, part_out, part_lse, into=into)

@@ -152,13 +152,17 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
     return dq, dk, dv
 
 
-def merge_into(out, lse, part_out, part_lse) -> None:
-    """In place: (out, lse) becomes the attention over both key sets.
+def merge_into(out, lse, part_out, part_lse, *, into=None) -> None:
+    """(out, lse) becomes the attention over both key sets: lse in place, out in place or, given
+    ``into``, written there.
 
     out + sigmoid(part_lse - lse) * (part_out - out) is the softmax-weighted mean of the two
     without exp overflow. A side that saw no key has lse -inf and weight 0; when neither saw
     one the difference is NaN, and the row stays (0, -inf).
     """
     weight = torch.sigmoid(part_lse - lse).nan_to_num_(0.0).unsqueeze(-1)
-    out.add_(weight * (part_out - out))
+    if into is None:
+        out.add_(weight * (part_out - out))
+    else:
+        into.copy_(out + weight * (part_out - out))
     lse.copy_(torch.logaddexp(lse, part_lse))

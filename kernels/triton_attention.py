@@ -14,8 +14,9 @@ of triton_forward.py, triton_backward.py and triton_merge.py.
 - ``merge_forward``: one (out, lse) pair from two over disjoint key sets, or a running pair updated in place.
 - ``Triton``: the kernels as dispatch.py sees a kernel.
 
-Rows that see no key give output 0, LSE -inf and zero gradients. float32 inputs use TF32 dots
-on the GPU (relative error near 1e-3) and exact float32 under TRITON_INTERPRET=1.
+Rows that see no key give output 0, LSE -inf and zero gradients. float32 inputs take IEEE
+float32 dots, or TF32 ones (relative error near 1e-3) when ``torch.set_float32_matmul_precision``
+allows them, as torch.matmul does (``triton_tiles.dot_precision``).
 """
 import torch
 

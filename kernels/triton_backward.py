@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_tiles import (LOG2E, autotune, head_blocks, head_start, key_padding_args, key_walk, launch, load_rows,
+from .triton_tiles import (LOG2E, autotune, dot_precision, head_blocks, head_start, key_padding_args, key_walk, launch, load_rows,
                            padding_bounds, query_block, real_keys, rows_of, sequence, store_tile, tile_ranges,
                            visible)
 
@@ -29,20 +29,21 @@ def _log2_lse(lse_ptrs, ok):
 
 @triton.jit
 def _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, rows, cols, tile_lo, tile_hi, seqlen_k, before,
-              after, qk_scale, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_KEY_PADDING: tl.constexpr):
+              after, qk_scale, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_KEY_PADDING: tl.constexpr,
+              PRECISION: tl.constexpr):
     for tile in range(tile_lo, tile_hi):
         start = tile * BLOCK_N
         keys = start + cols
         k = k_rows.load([start, 0])
         v = v_rows.load([start, 0])
-        s = tl.dot(q, tl.trans(k))
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if MASKED:
             s = tl.where(visible(rows, keys, seqlen_k, before, after), s, float("-inf"))
         if HAS_KEY_PADDING:
             s = tl.where(real_keys(key_padding, keys, seqlen_k)[None, :], s, float("-inf"))
         p = tl.math.exp2(s * qk_scale - lse[:, None])
-        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq)
+        ds = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
     return dq
 
 
@@ -59,7 +60,8 @@ def _dq_kernel(Q, K, V, DO, O, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k, KeyPa
                stride_db, stride_dh, stride_ds, stride_dqb, stride_dqh, stride_dqs,
                seqlen_q, seqlen_k, group, before, after, qk_scale, scale,
                D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-               VARLEN: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+               VARLEN: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):
     batch, head = tl.program_id(2), tl.program_id(1)
     q_start, seqlen_q, k_start, seqlen_k, real_prefix, first = query_block(cu_seqlens_q, cu_seqlens_k, KeyBounds, batch,
                                                                            seqlen_q, seqlen_k, BLOCK_M, VARLEN,
@@ -92,14 +94,14 @@ def _dq_kernel(Q, K, V, DO, O, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k, KeyPa
         key_padding += batch * stride_kpb
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
     dq = _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, rows, cols, lo, full_lo, seqlen_k, before,
-                   after, qk_scale, BLOCK_N, True, HAS_KEY_PADDING)
+                   after, qk_scale, BLOCK_N, True, HAS_KEY_PADDING, PRECISION)
     dq = _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, rows, cols, full_lo, plain_hi, seqlen_k, before,
-                   after, qk_scale, BLOCK_N, False, False)
+                   after, qk_scale, BLOCK_N, False, False, PRECISION)
     if HAS_KEY_PADDING:
         dq = _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, rows, cols, plain_hi, full_hi, seqlen_k,
-                       before, after, qk_scale, BLOCK_N, False, True)
+                       before, after, qk_scale, BLOCK_N, False, True, PRECISION)
     dq = _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, rows, cols, full_hi, hi, seqlen_k, before,
-                   after, qk_scale, BLOCK_N, True, HAS_KEY_PADDING)
+                   after, qk_scale, BLOCK_N, True, HAS_KEY_PADDING, PRECISION)
 
     dq_ptrs = head_start(DQ, batch, head, row, stride_dqb, stride_dqh, stride_dqs)
     dq_ptrs += offs_m[:, None] * stride_dqs + d_qk[None, :]
@@ -109,7 +111,7 @@ def _dq_kernel(Q, K, V, DO, O, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k, KeyPa
 @triton.jit
 def _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, keys, rows, tile_lo, tile_hi,
                 seqlen_q, before, after, qk_scale, stride_ls, stride_ds, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
-                HAS_KEY_PADDING: tl.constexpr):
+                HAS_KEY_PADDING: tl.constexpr, PRECISION: tl.constexpr):
     """Accumulates into dK, dV over query tiles [tile_lo, tile_hi); scores are kept transposed
     (keys x queries), so ``before`` and ``after`` arrive swapped. ``real``: which keys are real."""
     for tile in range(tile_lo, tile_hi):
@@ -121,15 +123,15 @@ def _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, keys,
         do = do_rows.load([start, 0])
         lse = _log2_lse(lse_ptrs + offset * stride_ls, ok)
         delta = tl.load(delta_ptrs + offset * stride_ds, mask=ok, other=0.0)
-        s = tl.dot(k, tl.trans(q))
+        s = tl.dot(k, tl.trans(q), input_precision=PRECISION)
         if MASKED:
             s = tl.where(visible(keys, queries, seqlen_q, before, after), s, float("-inf"))
         if HAS_KEY_PADDING:
             s = tl.where(real[:, None], s, float("-inf"))
         p = tl.math.exp2(s * qk_scale - lse[None, :])
-        dv = tl.dot(p.to(do.dtype), do, dv)
-        ds = p * (tl.dot(v, tl.trans(do)) - delta[None, :])
-        dk = tl.dot(ds.to(q.dtype), q, dk)
+        dv = tl.dot(p.to(do.dtype), do, dv, input_precision=PRECISION)
+        ds = p * (tl.dot(v, tl.trans(do), input_precision=PRECISION) - delta[None, :])
+        dk = tl.dot(ds.to(q.dtype), q, dk, input_precision=PRECISION)
     return dk, dv
 
 
@@ -146,8 +148,8 @@ def _dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, cu_seqlens_q, cu_seqlens_k, Ke
                  stride_dk_part, stride_dkb, stride_dkh, stride_dks, stride_dv_part, stride_dvb, stride_dvh, stride_dvs,
                  seqlen_q, seqlen_k, group, parts, before, after, qk_scale, scale,
                  D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-                 VARLEN: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
+                 VARLEN: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, PRECISION: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     batch, kv_head, part = tl.program_id(2), tl.program_id(1) // parts, tl.program_id(1) % parts
     q_start, seqlen_q = sequence(cu_seqlens_q, batch, seqlen_q, VARLEN)
     k_start, seqlen_k = sequence(cu_seqlens_k, batch, seqlen_k, VARLEN)
@@ -187,13 +189,13 @@ def _dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, cu_seqlens_q, cu_seqlens_k, Ke
         delta_ptrs = head_start(Delta, batch, head, q_start, stride_db, stride_dh, stride_ds) + rows * stride_ds
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, keys, rows,
                              lo, full_lo, seqlen_q, after, before, qk_scale, stride_ls, stride_ds, BLOCK_M,
-                             True, HAS_KEY_PADDING)
+                             True, HAS_KEY_PADDING, PRECISION)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, keys, rows,
                              full_lo, full_hi, seqlen_q, after, before, qk_scale, stride_ls, stride_ds, BLOCK_M,
-                             False, HAS_KEY_PADDING)
+                             False, HAS_KEY_PADDING, PRECISION)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, keys, rows,
                              full_hi, hi, seqlen_q, after, before, qk_scale, stride_ls, stride_ds, BLOCK_M,
-                             True, HAS_KEY_PADDING)
+                             True, HAS_KEY_PADDING, PRECISION)
 
     part = tl.cast(part, tl.int64)
     dk_ptrs = head_start(DK + part * stride_dk_part, batch, kv_head, row, stride_dkb, stride_dkh, stride_dks)
@@ -229,7 +231,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, ma
     varlen = cu_seqlens_q is not None
     delta = torch.empty(1 if varlen else batch, h_q, s_q, dtype=torch.float32, device=q.device).expand(batch, h_q, s_q)
     common = dict(D_QK=d_qk, D_V=d_v, BLOCK_DQK=head_blocks(d_qk), BLOCK_DV=head_blocks(d_v), VARLEN=varlen,
-                  HAS_KEY_PADDING=key_padding_mask is not None)
+                  HAS_KEY_PADDING=key_padding_mask is not None, PRECISION=dot_precision(q.dtype))
     padding = key_padding_args(key_padding_mask)
     qk_scale = scale * LOG2E.value
 

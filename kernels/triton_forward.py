@@ -11,19 +11,21 @@ first padded key run without loading the mask.
 import triton
 import triton.language as tl
 
-from .triton_tiles import (LN2, LOG2E, autotune, head_blocks, head_start, key_padding_args, key_walk, launch,
+from .triton_tiles import (LN2, LOG2E, autotune, dot_precision, head_blocks, head_start, key_padding_args, key_walk, launch,
                            load_rows, query_block, real_keys, store_tile, visible)
 
 
 @triton.jit
 def _attend(acc, row_sum, row_max, q, k_rows, v_rows, key_padding, rows, cols, tile_lo, tile_hi, seqlen_k, before,
-            after, qk_scale, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_KEY_PADDING: tl.constexpr):
+            after, qk_scale, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_KEY_PADDING: tl.constexpr,
+            PRECISION: tl.constexpr):
     """Online softmax of the query block over key tiles [tile_lo, tile_hi), in base 2."""
     for tile in range(tile_lo, tile_hi):
         start = tile * BLOCK_N
         keys = start + cols
         k = k_rows.load([start, 0])
-        s = tl.dot(q, tl.trans(k))  # scaled inside exp2, where it fuses with the shift (qk_scale > 0)
+        # scaled inside exp2, where it fuses with the shift (qk_scale > 0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if MASKED:
             s = tl.where(visible(rows, keys, seqlen_k, before, after), s, float("-inf"))
         if HAS_KEY_PADDING:
@@ -36,7 +38,7 @@ def _attend(acc, row_sum, row_max, q, k_rows, v_rows, key_padding, rows, cols, t
         alpha = tl.math.exp2(row_max - shift)
         row_sum = row_sum * alpha + tl.sum(p, 1)
         v = v_rows.load([start, 0])
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         row_max = new_max
     return acc, row_sum, row_max
 
@@ -53,8 +55,8 @@ def _forward_kernel(Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, KeyPadding, s
                     stride_lb, stride_lh, stride_ls,
                     seqlen_q, seqlen_k, group, before, after, qk_scale,
                     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-                    VARLEN: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
+                    VARLEN: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, PRECISION: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     batch, head = tl.program_id(2), tl.program_id(1)
     q_start, seqlen_q, k_start, seqlen_k, real_prefix, first = query_block(cu_seqlens_q, cu_seqlens_k, KeyBounds, batch,
                                                                            seqlen_q, seqlen_k, BLOCK_M, VARLEN,
@@ -80,14 +82,14 @@ def _forward_kernel(Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, KeyPadding, s
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     acc, row_sum, row_max = _attend(acc, row_sum, row_max, q, k_rows, v_rows, key_padding, rows, cols, lo, full_lo,
-                                    seqlen_k, before, after, qk_scale, BLOCK_N, True, HAS_KEY_PADDING)
+                                    seqlen_k, before, after, qk_scale, BLOCK_N, True, HAS_KEY_PADDING, PRECISION)
     acc, row_sum, row_max = _attend(acc, row_sum, row_max, q, k_rows, v_rows, key_padding, rows, cols, full_lo,
-                                    plain_hi, seqlen_k, before, after, qk_scale, BLOCK_N, False, False)
+                                    plain_hi, seqlen_k, before, after, qk_scale, BLOCK_N, False, False, PRECISION)
     if HAS_KEY_PADDING:
         acc, row_sum, row_max = _attend(acc, row_sum, row_max, q, k_rows, v_rows, key_padding, rows, cols, plain_hi,
-                                        full_hi, seqlen_k, before, after, qk_scale, BLOCK_N, False, True)
+                                        full_hi, seqlen_k, before, after, qk_scale, BLOCK_N, False, True, PRECISION)
     acc, row_sum, row_max = _attend(acc, row_sum, row_max, q, k_rows, v_rows, key_padding, rows, cols, full_hi, hi,
-                                    seqlen_k, before, after, qk_scale, BLOCK_N, True, HAS_KEY_PADDING)
+                                    seqlen_k, before, after, qk_scale, BLOCK_N, True, HAS_KEY_PADDING, PRECISION)
     seen = row_sum > 0
     row_sum = tl.where(seen, row_sum, 1.0)
     lse = tl.where(seen, (row_max + tl.math.log2(row_sum)) * LN2, float("-inf"))
@@ -114,5 +116,5 @@ def forward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *lse.stride(),
         max_seqlen_q, max_seqlen_k, h_q // k.shape[1], before, after, scale * LOG2E.value,
         D_QK=d_qk, D_V=d_v, BLOCK_DQK=head_blocks(d_qk), BLOCK_DV=head_blocks(d_v), VARLEN=cu_seqlens_q is not None,
-        HAS_KEY_PADDING=key_padding_mask is not None,
+        HAS_KEY_PADDING=key_padding_mask is not None, PRECISION=dot_precision(q.dtype),
     )

@@ -23,9 +23,12 @@ def autotune(small, large, key):
     """``triton.autotune`` over ``small`` while the two head tiles are at most 256 wide together
     (d 128/128) and ``large`` beyond, each a list of (BLOCK_M, BLOCK_N, num_warps, num_stages)
     picked from H100 sweeps (wider tiles with 4 warps spill there); float32 tiles take twice the
-    shared memory, so float32 runs them at half the rows and at most 2 stages. One small
-    configuration when interpreting, so the CPU tests cross several tiles. The kernel's first
-    argument must be Q."""
+    shared memory, so float32 runs them at half the rows and at most 2 stages. IEEE float32 dots
+    (``dot_precision``) run on the CUDA cores and compile slowly: they get the first float32
+    configuration alone instead of a tuning run over all of them. One small configuration
+    when interpreting, so the CPU tests cross several tiles. The kernel's first argument must be
+    Q, and it takes the PRECISION constexpr, which joins the key."""
+    key = [*key, "PRECISION"]
     if INTERPRET:
         return triton.autotune([triton.Config({"BLOCK_M": 16, "BLOCK_N": 16})], key=key)
 
@@ -39,7 +42,8 @@ def autotune(small, large, key):
 
     def by_head_dims_and_dtype(_configs, named_args, **kwargs):
         args = {**named_args, **kwargs}
-        return by_kind[args["BLOCK_DQK"] + args["BLOCK_DV"] > 256, args["Q"].element_size() == 4]
+        kind = by_kind[args["BLOCK_DQK"] + args["BLOCK_DV"] > 256, args["Q"].element_size() == 4]
+        return kind[:1] if args["PRECISION"] == "ieee" else kind
 
     every = [config for kind in by_kind.values() for config in kind]
     return triton.autotune(every, key=key, prune_configs_by={"early_config_prune": by_head_dims_and_dtype})
@@ -57,6 +61,13 @@ def launch(kernel, grid, device, *args, **kwargs):
         kernel[grid](*args, **kwargs)
 
     contextvars.copy_context().run(run)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """The kernels' dot precision. float32 follows ``torch.get_float32_matmul_precision()`` as
+    torch.matmul does: IEEE float32 at "highest" (PyTorch's default), TF32 otherwise. Other
+    dtypes are unaffected."""
+    return "ieee" if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
 def head_blocks(d: int) -> int:

@@ -9,9 +9,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from attn_compile.cp.layout import (SequenceSharding, chunks_per_rank, join_shards, shard_sequence, split_sequence,
                                     unshard_sequence)
 from attn_compile.cp.ring import ring_steps
-from attn_compile.cp.merge import empty_result, merge_
+from attn_compile.cp.merge import MergedResult
 from attn_compile.cp.tiles import plan_tiles
 from attn_compile.kernels import attention_forward
+from attn_compile.kernels.dispatch import merge_into
 from attn_compile.kernels.visibility import effective_window, visible
 from dist_harness import run_distributed
 from oracle import naive_attention, rel_err
@@ -65,20 +66,50 @@ def test_ring_stops_after_the_last_step_a_window_needs(cp):
     assert ring_steps(SequenceSharding(cp, "contiguous", 8), False, (-1, -1)) == cp
 
 
+def _merged(q, k, v, parts):
+    """MergedResult of q's rows against keys, part by part: parts are (query rows, key rows)."""
+    result = MergedResult(q, v, [rows for rows, _ in parts])
+    for rows, keys in parts:
+        result.add(rows, *attention_forward(q[:, :, rows], k[:, :, keys], v[:, :, keys], scale=8 ** -0.5))
+    return result
+
+
 def test_merge_of_disjoint_key_sets_is_their_joint_attention():
+    """Parts over overlapping query rows: rows 0-1 get one part, 2-3 three, 4-5 two, 6 none."""
     torch.manual_seed(0)
-    q, k, v = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 12, 8), torch.randn(2, 3, 12, 4)
-    out, lse = empty_result(q, v)
-    for keys in (slice(0, 7), slice(7, 12)):
-        merge_(out, lse, *attention_forward(q, k[:, :, keys], v[:, :, keys], scale=8 ** -0.5))
-    assert rel_err(out, naive_attention(q, k, v)) <= 1e-6
-    assert torch.allclose(lse, (q @ k.transpose(-1, -2) * 8 ** -0.5).logsumexp(-1))
+    q, k, v = torch.randn(2, 3, 7, 8), torch.randn(2, 3, 12, 8), torch.randn(2, 3, 12, 4)
+    parts = [(slice(0, 6), slice(0, 5)), (slice(2, 6), slice(5, 9)), (slice(2, 4), slice(9, 12))]
+    result = _merged(q, k, v, parts)
+    seen = torch.zeros(7, 12, dtype=torch.bool)
+    for rows, keys in parts:
+        seen[rows, keys] = True
+    scores = (q.double() @ k.double().mT * 8 ** -0.5).masked_fill(~seen, float("-inf"))
+    want = scores.softmax(-1).nan_to_num(0.0) @ v.double()
+    assert result.out.dtype == q.dtype and result.out.is_contiguous()
+    assert rel_err(result.out[:, :, :6], want[:, :, :6]) <= 1e-6
+    assert result.out[:, :, 6].eq(0).all()
+    assert torch.allclose(result.lse, scores.logsumexp(-1).float())
+
+
+def test_merge_rounds_once_to_the_output_dtype():
+    """bfloat16 queries: the parts merge in float32 and the last merge rounds, so the output is
+    the float32 merge rounded once."""
+    torch.manual_seed(1)
+    q, k, v = torch.randn(1, 2, 6, 8), torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8)
+    parts = [(slice(0, 6), slice(0, 4)), (slice(0, 6), slice(4, 8)), (slice(3, 6), slice(8, 12))]
+    exact = _merged(q, k, v, parts)
+    rounded = MergedResult(q.bfloat16(), v.bfloat16(), [rows for rows, _ in parts])
+    for rows, keys in parts:
+        rounded.add(rows, *attention_forward(q[:, :, rows], k[:, :, keys], v[:, :, keys], scale=8 ** -0.5))
+    assert rounded.out.dtype == torch.bfloat16 and rounded.lse.dtype == torch.float32
+    assert torch.equal(rounded.out, exact.out.bfloat16())
+    assert torch.equal(rounded.lse, exact.lse)
 
 
 def test_merge_with_rows_that_saw_no_key():
     inf = float("-inf")
     out, lse = torch.tensor([[0.0, 0.0], [1.0, 2.0], [0.0, 0.0]]), torch.tensor([inf, 0.5, inf])
-    merge_(out, lse, torch.tensor([[3.0, 4.0], [0.0, 0.0], [0.0, 0.0]]), torch.tensor([0.25, inf, inf]))
+    merge_into(out, lse, torch.tensor([[3.0, 4.0], [0.0, 0.0], [0.0, 0.0]]), torch.tensor([0.25, inf, inf]))
     assert torch.equal(out, torch.tensor([[3.0, 4.0], [1.0, 2.0], [0.0, 0.0]]))
     assert torch.equal(lse, torch.tensor([0.25, 0.5, inf]))
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import attn_compile.ops  # noqa: F401  (registers torch.ops.attn_cp)
 from attn_compile.cp.api import context_parallel_attention
 from attn_compile.cp.layout import shard_sequence, unshard_sequence
-from attn_compile.cp.merge import empty_result, merge_
+from attn_compile.cp.merge import MergedResult
 from dist_harness import run_distributed
 from oracle import naive_attention, naive_probs, oracle_problems, rel_err
 
@@ -112,10 +112,11 @@ def test_merge_where_one_or_both_sides_saw_no_key():
     mask[:, :, 0] = False
     mask[:, :, 1, first] = False
     mask[:, :, 2, second] = False
-    out, lse = empty_result(q, v)
+    rows = slice(0, S_Q)
+    result = MergedResult(q, v, [rows, rows])
     for keys in (first, second):
-        part_out, part_lse = _op(q, k[:, :, keys], v[:, :, keys], attn_mask=mask[..., keys])
-        merge_(out, lse, part_out, part_lse)
+        result.add(rows, *_op(q, k[:, :, keys], v[:, :, keys], attn_mask=mask[..., keys]))
+    out, lse = result.out, result.lse
     want, want_lse = naive_attention(q, k, v, attn_mask=mask), _oracle_lse(q, k, mask)
     assert not out.isnan().any() and not lse.isnan().any()
     assert out[:, :, 0].eq(0).all() and lse[:, :, 0].eq(float("-inf")).all()

@@ -26,7 +26,7 @@ from dist_harness import run_on_gpus
 from oracle import naive_attention, rel_err
 
 pytestmark = pytest.mark.gpu
-TOL = {torch.bfloat16: 2.5e-2, torch.float32: 5e-3}  # float32: Triton's dots run in TF32 (test_triton_kernels)
+TOL = {torch.bfloat16: 2.5e-2, torch.float32: 1e-4}
 SEQ = 256  # a multiple of every world size up to 8
 HEAD_DIMS = {"gqa": (64, 64), "gqa+mla": (64, 32)}  # (d_qk, d_v)
 PLACEMENTS = [  # (q, k and v, strategy)

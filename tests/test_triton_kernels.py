@@ -3,7 +3,8 @@
 Without CUDA they run under TRITON_INTERPRET=1 (one 16x16 tile configuration, so every call
 crosses several tiles) in exact float32, plus float16; the interpreter's bf16 dot multiplies
 the raw bits, so bf16 is left to the GPU tests. With CUDA every test runs on the device
-(float32 dots in TF32), and the tests marked gpu sweep bf16 shapes over several tiles.
+(float32 dots in IEEE float32, PyTorch's default matmul precision), and the tests marked gpu
+sweep bf16 shapes over several tiles.
 """
 import os
 import sys
@@ -22,11 +23,11 @@ pytest.importorskip("triton", reason="the Triton kernels need the triton package
 
 from attn_compile.kernels import reference, triton_attention as ta  # noqa: E402
 from attn_compile.kernels.problem import Problem  # noqa: E402
-from attn_compile.kernels.triton_tiles import INTERPRET, key_padding_args  # noqa: E402
+from attn_compile.kernels.triton_tiles import dot_precision, key_padding_args  # noqa: E402
 from oracle import naive_attention, rel_err  # noqa: E402
 from shapes import make_qkv  # noqa: E402
 
-TOL = {torch.float32: 1e-5 if INTERPRET else 5e-3, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
 def _oracle(q, k, v, dout, **masking):
@@ -326,6 +327,19 @@ def test_supports():
     for change in (dict(device_type="cpu"), dict(has_mask=True),
                    dict(dtype=torch.float64), dict(d_qk=320)):
         assert not ta.supports(replace(base, **change)), change
+
+
+def test_float32_dots_follow_the_matmul_precision():
+    """IEEE float32 at PyTorch's default "highest", TF32 once torch.matmul may use it; half
+    precisions are unaffected."""
+    default = torch.get_float32_matmul_precision()
+    try:
+        for precision, want in (("highest", "ieee"), ("high", "tf32"), ("medium", "tf32")):
+            torch.set_float32_matmul_precision(precision)
+            assert dot_precision(torch.float32) == want, precision
+            assert dot_precision(torch.bfloat16) == dot_precision(torch.float16) == "tf32", precision
+    finally:
+        torch.set_float32_matmul_precision(default)
 
 
 def _poison_free_memory():

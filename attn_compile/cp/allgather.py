@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .checks import check_call, sharding_of
 from .comm import all_gather_stacked, reduce_scatter_stacked, resolve
-from .merge import empty_result
+from .merge import MergedResult
 from .registration import fake_grads, fake_result
 from .tiles import attend_tiles, attend_tiles_backward, plan_tiles
 
@@ -31,9 +31,10 @@ def _tiles(group, sharding, is_causal, window):
 
 def allgather_forward(q, k, v, group, scale, is_causal, window, sharding):
     k_all, v_all = _gather_sequence(k, group, sharding), _gather_sequence(v, group, sharding)
-    out, lse = empty_result(q, v)
-    attend_tiles(q, k_all, v_all, _tiles(group, sharding, is_causal, window), scale, out, lse)
-    return out.to(q.dtype), lse, k_all, v_all
+    tiles = _tiles(group, sharding, is_causal, window)
+    result = MergedResult(q, v, [tile.q_rows for tile in tiles])
+    attend_tiles(q, k_all, v_all, tiles, scale, result)
+    return result.out, result.lse, k_all, v_all
 
 
 def allgather_backward(dout, q, k, v, out, lse, k_all, v_all, group, scale, is_causal, window, sharding):

@@ -6,10 +6,10 @@ work (a sequence of S/sqrt(N) tokens) and PyTorch's experimental ``context_paral
 rotate methods). FLOPs = 2·B·H_q·S²·(d_qk+d_v), halved for causal; fwd+bwd counts 3.5×.
 
 Timing is the median over calls with the L2 cache flushed before each, as
-``triton.testing.do_bench`` does. The local kernels use do_bench itself. Collective code
-cannot: do_bench sizes its repeat count from a per-rank time estimate, and ranks that repeat
-a different number of times hang in the collectives. So collective code is timed with fixed
-counts, and every rank reports the slowest rank's median.
+``triton.testing.do_bench`` does, but with fixed counts: do_bench sizes its repeat count from a
+per-rank time estimate, and ranks that repeat a different number of times hang in the
+collectives. Every rank reports the slowest rank's median. The local kernels are timed the same
+way, so every row is measured alike.
 
 ``--check``: bf16 context-parallel output and gradients against float32 single-GPU results,
 relative error (norm of error / norm of reference) at most 2.5e-2.
@@ -89,8 +89,6 @@ def _inputs(h_q, h_kv, d_qk, d_v, seq, dtype=torch.bfloat16, requires_grad=True)
 
 
 def _local_ms(h_q, h_kv, d_qk, d_v, seq):
-    from triton.testing import do_bench
-
     q, k, v = _inputs(h_q, h_kv, d_qk, d_v, seq, requires_grad=False)
     scale = d_qk ** -0.5
     out, lse = attention_forward(q, k, v, scale=scale, is_causal=True)
@@ -100,8 +98,8 @@ def _local_ms(h_q, h_kv, d_qk, d_v, seq):
         o, l = attention_forward(q, k, v, scale=scale, is_causal=True)
         return attention_backward(dout, q, k, v, o, l, scale=scale, is_causal=True)
 
-    fwd = do_bench(lambda: attention_forward(q, k, v, scale=scale, is_causal=True), return_mode="median")
-    return fwd, do_bench(fwd_bwd, return_mode="median")
+    return _collective_median_ms(lambda: attention_forward(q, k, v, scale=scale, is_causal=True)), \
+        _collective_median_ms(fwd_bwd)
 
 
 def _torch_cp_ms(mesh, h_q, h_kv, d_qk, d_v, seq, rotate):

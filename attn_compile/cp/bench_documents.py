@@ -91,13 +91,11 @@ def _tflops_per_gpu(lengths, window, ms_pair, gpus):
 
 
 def _local_ms(lengths, window):
-    from triton.testing import do_bench
-
     cu, longest = _cu(lengths), max(lengths)
     q, k, v = _inputs(sum(lengths), HEADS, torch.bfloat16, requires_grad=True)
     fwd, fwd_bwd = _fwd_and_bwd(lambda q, k, v: varlen_attention(q, k, v, cu, cu, longest, longest, is_causal=True,
                                                                 window=window), q, k, v)
-    return do_bench(fwd, return_mode="median"), do_bench(fwd_bwd, return_mode="median")
+    return _collective_median_ms(fwd), _collective_median_ms(fwd_bwd)
 
 
 def _cp_ms(lengths, window, strategy):

@@ -1,7 +1,9 @@
 """Ring attention: K and V travel round the ring while each rank attends its queries to them.
 
-Step i's transfer is posted before step i's compute, so on CUDA it overlaps it. In the
-backward pass dK and dV travel one step behind K and V and are sent home after the last step.
+Step i's transfer is posted before step i's compute so that the two can overlap; on H200s
+NCCL's transfer kernel did not run beside cuDNN's attention kernel, so there they did not
+(BENCHMARKS.md). In the backward pass dK and dV travel one step behind K and V, and are sent
+home, in k's dtype, after the last step.
 A sliding window may leave the ring's later steps with nothing to see on any rank: the ring
 stops after the last step some rank needs, so those blocks are neither computed nor sent.
 K and V keep their own head count and head dims: no repeat for GQA, no padding for MLA.
@@ -14,7 +16,7 @@ from torch import Tensor
 
 from .checks import check_call, sharding_of
 from .comm import pass_round, resolve, wait
-from .merge import empty_result
+from .merge import MergedResult
 from .registration import register_strategy
 from .tiles import attend_tiles, attend_tiles_backward, plan_tiles
 
@@ -38,15 +40,16 @@ def ring_forward(q, k, v, group, scale, is_causal, window, sharding):
     rank, size = group.rank(), group.size()
     steps = ring_steps(sharding, is_causal, window)
     k, v = sharding.pad(k, 2), sharding.pad(v, 2)
-    out, lse = empty_result(q, v)
+    tiles = [_tiles(sharding, rank, (rank - step) % size, is_causal, window) for step in range(steps)]
+    result = MergedResult(q, v, [tile.q_rows for step_tiles in tiles for tile in step_tiles])
     for step in range(steps):
         if step + 1 < steps:
             next_kv, kv_works = pass_round((k, v), group, KV_TAG)
-        attend_tiles(q, k, v, _tiles(sharding, rank, (rank - step) % size, is_causal, window), scale, out, lse)
+        attend_tiles(q, k, v, tiles[step], scale, result)
         if step + 1 < steps:
             wait(kv_works)
             k, v = next_kv
-    return out.to(q.dtype), lse
+    return result.out, result.lse
 
 
 def ring_backward(dout, q, k, v, out, lse, group, scale, is_causal, window, sharding):
@@ -68,10 +71,10 @@ def ring_backward(dout, q, k, v, out, lse, group, scale, is_causal, window, shar
             next_grads, grad_works = pass_round((dk, dv), group, GRAD_TAG)
             wait(kv_works)
             k, v = next_kv
-    # dk, dv are the gradients of the keys of rank - (steps - 1): send them home
-    (dk, dv), works = pass_round((dk, dv), group, GRAD_TAG, shift=1 - steps)
+    # dk, dv are the whole gradients of the keys of rank - (steps - 1): they go home in k's dtype
+    (dk, dv), works = pass_round((dk.to(k.dtype), dv.to(v.dtype)), group, GRAD_TAG, shift=1 - steps)
     wait(works)
-    return dq.to(q.dtype), *(g[:, :, :k_len].to(k.dtype).contiguous() for g in (dk, dv))
+    return dq.to(q.dtype), *(g[:, :, :k_len].contiguous() for g in (dk, dv))
 
 
 @torch.library.custom_op("attn_cp::ring_attention", mutates_args=())

@@ -17,8 +17,6 @@ from dataclasses import dataclass
 from attn_compile.kernels import attention_backward, attention_forward
 from attn_compile.kernels.visibility import Visibility, classify, effective_window
 
-from .merge import merge_
-
 NO_WINDOW = (-1, -1)
 
 
@@ -85,13 +83,12 @@ def plan_tiles(q_chunks: tuple, k_chunks: tuple, is_causal: bool, window: tuple 
     return tuple(tiles)
 
 
-def attend_tiles(q, k, v, tiles, scale: float, out, lse) -> None:
-    """Adds the attention of q to (k, v) over ``tiles`` into the running (out, lse), in place."""
+def attend_tiles(q, k, v, tiles, scale: float, result) -> None:
+    """Adds the attention of q to (k, v) over ``tiles`` into ``result`` (a ``merge.MergedResult``)."""
     for tile in tiles:
         q_rows, k_rows = tile.q_rows, tile.k_rows
-        part_out, part_lse = attention_forward(q[:, :, q_rows], k[:, :, k_rows], v[:, :, k_rows], scale=scale,
-                                               **tile.masking)
-        merge_(out[:, :, q_rows], lse[:, :, q_rows], part_out, part_lse)
+        result.add(q_rows, *attention_forward(q[:, :, q_rows], k[:, :, k_rows], v[:, :, k_rows], scale=scale,
+                                              **tile.masking))
 
 
 def attend_tiles_backward(dout, q, k, v, out, lse, tiles, scale: float, dq, dk, dv) -> None:
