@@ -12,21 +12,21 @@ class MergedResult:
     It is told every part's query rows up front, so each row knows its first and its last part:
     the first is copied in, later ones merge in float32 (the LSE's dtype), and the last merge
     writes the output in q's dtype. Rows that no part covers come out 0 with LSE -inf. A float32
-    result started at (0, -inf) cost a fill, a merge and a cast more per row: 3% of the ring's
-    forward on 2 H200s at 64K tokens.
+    result started at (0, -inf) cost a fill, a merge and a cast more per row: 3% of the GQA ring's
+    forward at 64K tokens on 2 H200s (BENCHMARKS.md).
     """
 
     def __init__(self, q: torch.Tensor, v: torch.Tensor, parts_rows: list[slice]):
         n = q.shape[2]
         cuts = sorted({0, n, *(r.start for r in parts_rows), *(r.stop for r in parts_rows)})
         self._segments = [slice(a, b) for a, b in zip(cuts, cuts[1:])]
-        self._parts_left = [sum(r.start <= s.start and s.stop <= r.stop for r in parts_rows)
+        self._parts = [sum(r.start <= s.start and s.stop <= r.stop for r in parts_rows)
                             for s in self._segments]
         self._seen = [0] * len(self._segments)
         self.out = q.new_empty((*q.shape[:-1], v.shape[-1]))
         self.lse = q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
         self._running = None
-        for segment, parts in zip(self._segments, self._parts_left):
+        for segment, parts in zip(self._segments, self._parts):
             if parts == 0:
                 self.out[:, :, segment].zero_()
                 self.lse[:, :, segment].fill_(float("-inf"))
@@ -43,7 +43,7 @@ class MergedResult:
                 continue
             piece = slice(segment.start - rows.start, segment.stop - rows.start)
             out, lse = part_out[:, :, piece], part_lse[:, :, piece]
-            last = self._seen[i] + 1 == self._parts_left[i]
+            last = self._seen[i] + 1 == self._parts[i]
             if self._seen[i] == 0:
                 (self.out[:, :, segment] if last else self._running_rows(segment)).copy_(out)
                 self.lse[:, :, segment].copy_(lse)
