@@ -4,13 +4,13 @@ Layout is SDPA's (B, H, S, D). It returns ``(out, lse)`` with ``out`` of shape
 ``(*q.shape[:-1], v.shape[-1])`` (h_q heads, d_v dims: GQA and MLA at once), in q's memory
 order (kernels/result_layout.py), and ``lse`` of shape (B, h_q, S_q), float32. The LSE is for
 merging partial results and is not differentiable. Masks (all that are given are ANDed):
-``is_causal`` (SDPA's top-left alignment),
-``window_left``/``window_right`` (query i sees keys i-left..i+right, -1 unbounded), ``attn_mask``
-(bool or additive, broadcast to (B, h_q, S_q, S_k)), ``key_padding_mask`` ((B, S_k) bool,
-True = a real key) and ``document_ids`` ((B, S) ids of packed documents, S_q == S_k: query i sees
-key j only when their ids are equal). ``q_offset`` shifts the queries' positions for the causal
-and window masks: a query shard at global offset q_offset attends to keys numbered from 0. Kernel
-choice happens below, in ``attn_compile.kernels.dispatch``.
+``is_causal`` (SDPA's top-left alignment), ``window_left``/``window_right`` (query i sees keys
+i-left..i+right, -1 unbounded), ``attn_mask`` (bool or additive, broadcast to (B, h_q, S_q, S_k)),
+``key_padding_mask`` ((B, S_k) bool, True = a real key) and ``document_ids`` ((B, S) ids of
+packed documents, S_q == S_k: query i sees key j only when their ids are equal). ``q_offset``
+shifts the queries' positions for the causal and window masks: a query shard at global offset
+q_offset attends to keys numbered from 0. Kernel choice happens below, in
+``attn_compile.kernels.dispatch``.
 """
 from typing import Optional
 

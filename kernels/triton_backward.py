@@ -15,9 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_tiles import (LOG2E, autotune, dot_precision, head_blocks, head_start, key_padding_args, key_walk, launch, load_rows,
-                           padding_bounds, query_block, real_keys, rows_of, sequence, store_tile, tile_ranges,
-                           visible)
+from .triton_tiles import (LOG2E, autotune, dot_precision, head_blocks, head_start, key_padding_args, key_walk,
+                           launch, load_rows, padding_bounds, query_block, real_keys, rows_of, sequence, store_tile,
+                           tile_ranges, visible)
 
 
 @triton.jit

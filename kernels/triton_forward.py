@@ -11,8 +11,8 @@ first padded key run without loading the mask.
 import triton
 import triton.language as tl
 
-from .triton_tiles import (LN2, LOG2E, autotune, dot_precision, head_blocks, head_start, key_padding_args, key_walk, launch,
-                           load_rows, query_block, real_keys, store_tile, visible)
+from .triton_tiles import (LN2, LOG2E, autotune, dot_precision, head_blocks, head_start, key_padding_args, key_walk,
+                           launch, load_rows, query_block, real_keys, store_tile, visible)
 
 
 @triton.jit

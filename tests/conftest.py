@@ -24,6 +24,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def matmul_precision():
+    """``torch.set_float32_matmul_precision`` for the test; the precision before it comes back after."""
+    before = torch.get_float32_matmul_precision()
+    yield torch.set_float32_matmul_precision
+    torch.set_float32_matmul_precision(before)
+
+
+@pytest.fixture
 def inner_graphs(monkeypatch):
     """The graphs the attn_cp backend hands to its inner compiler, i.e. after the rewrite."""
     import attn_compile.backend as backend

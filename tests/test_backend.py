@@ -148,7 +148,6 @@ def test_mode_needs_inductor():
         backend.attn_cp(gm, [torch.randn(3)], mode="max-autotune", options={"inner": "eager"})
 
 
-
 def test_inductor_caches_key_on_the_package_source(monkeypatch):
     """Inductor caches compiled code by graph, config and torch version; code cached with other
     versions of the ops (whose fake functions may lay results out otherwise) must not come back.

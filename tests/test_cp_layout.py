@@ -15,7 +15,7 @@ from attn_compile.kernels import attention_forward
 from attn_compile.kernels.dispatch import merge_into
 from attn_compile.kernels.visibility import effective_window, visible
 from dist_harness import run_distributed
-from oracle import naive_attention, rel_err
+from oracle import rel_err
 from tile_coverage import covered
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -66,9 +66,10 @@ def test_ring_stops_after_the_last_step_a_window_needs(cp):
     assert ring_steps(SequenceSharding(cp, "contiguous", 8), False, (-1, -1)) == cp
 
 
-def _merged(q, k, v, parts):
-    """MergedResult of q's rows against keys, part by part: parts are (query rows, key rows)."""
-    result = MergedResult(q, v, [rows for rows, _ in parts])
+def _merged(q, k, v, parts, dtype=torch.float32):
+    """MergedResult of q's rows against keys, part by part (parts are (query rows, key rows)),
+    with float32 parts and a result in ``dtype``."""
+    result = MergedResult(q.to(dtype), v.to(dtype), [rows for rows, _ in parts])
     for rows, keys in parts:
         result.add(rows, *attention_forward(q[:, :, rows], k[:, :, keys], v[:, :, keys], scale=8 ** -0.5))
     return result
@@ -97,10 +98,7 @@ def test_merge_rounds_once_to_the_output_dtype():
     torch.manual_seed(1)
     q, k, v = torch.randn(1, 2, 6, 8), torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8)
     parts = [(slice(0, 6), slice(0, 4)), (slice(0, 6), slice(4, 8)), (slice(3, 6), slice(8, 12))]
-    exact = _merged(q, k, v, parts)
-    rounded = MergedResult(q.bfloat16(), v.bfloat16(), [rows for rows, _ in parts])
-    for rows, keys in parts:
-        rounded.add(rows, *attention_forward(q[:, :, rows], k[:, :, keys], v[:, :, keys], scale=8 ** -0.5))
+    exact, rounded = _merged(q, k, v, parts), _merged(q, k, v, parts, torch.bfloat16)
     assert rounded.out.dtype == torch.bfloat16 and rounded.lse.dtype == torch.float32
     assert torch.equal(rounded.out, exact.out.bfloat16())
     assert torch.equal(rounded.lse, exact.lse)

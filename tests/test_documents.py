@@ -150,8 +150,8 @@ def test_tiles_compute_every_visible_pair_of_a_document_once(cp, is_causal, layo
     for q_rank, q_tokens in enumerate(held):
         q_chunks = sharding.chunks(q_rank)
         ring = sum(covered(plan_tiles(q_chunks, sharding.chunks(k_rank), is_causal, window), q_tokens, k_tokens,
-                            total) for k_rank, k_tokens in enumerate(held))
+                           total) for k_rank, k_tokens in enumerate(held))
         whole = covered(plan_tiles(q_chunks, sharding.whole_chunks(), is_causal, window), q_tokens,
-                         torch.arange(total), total)
+                        torch.arange(total), total)
         assert torch.equal(ring[q_tokens], want[q_tokens])
         assert torch.equal(whole[q_tokens], want[q_tokens])

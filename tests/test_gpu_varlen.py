@@ -61,21 +61,17 @@ def test_dispatch_picks_triton_for_packed_documents():
 
 @pytest.mark.parametrize("precision, tol", [("highest", 2e-5), ("high", 5e-3)], ids=["ieee", "tf32"])
 @pytest.mark.parametrize("d_qk, d_v", [(64, 64), (128, 128), (192, 128), (256, 256)])
-def test_float32_fits_shared_memory(d_qk, d_v, precision, tol):
+def test_float32_fits_shared_memory(d_qk, d_v, precision, tol, matmul_precision):
     """float32 tiles are twice as wide in bytes: the Triton kernels must still launch, with IEEE
     float32 dots at PyTorch's default matmul precision and TF32 ones once it allows them."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, h, 512, d, device="cuda") for h, d in ((4, d_qk), (2, d_qk), (2, d_v)))
     masking = dict(scale=d_qk ** -0.5, is_causal=True, window=(100, 0))
     assert dispatch.select_kernel(q, k, v, is_causal=True, window=(100, 0)) == "triton"
-    default = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision(precision)
-    try:
-        out, lse = dispatch.attention_forward(q, k, v, **masking)
-        dout = torch.randn_like(out)
-        got = (out, *dispatch.attention_backward(dout, q, k, v, out, lse, **masking))
-    finally:
-        torch.set_float32_matmul_precision(default)
+    matmul_precision(precision)
+    out, lse = dispatch.attention_forward(q, k, v, **masking)
+    dout = torch.randn_like(out)
+    got = (out, *dispatch.attention_backward(dout, q, k, v, out, lse, **masking))
     q, k, v, dout = (x.double() for x in (q, k, v, dout))
     want_out, want_lse = reference.attention_forward(q, k, v, **masking)
     want = (want_out, *reference.attention_backward(dout, q, k, v, want_out, want_lse, **masking))

@@ -329,17 +329,13 @@ def test_supports():
         assert not ta.supports(replace(base, **change)), change
 
 
-def test_float32_dots_follow_the_matmul_precision():
+def test_float32_dots_follow_the_matmul_precision(matmul_precision):
     """IEEE float32 at PyTorch's default "highest", TF32 once torch.matmul may use it; half
     precisions are unaffected."""
-    default = torch.get_float32_matmul_precision()
-    try:
-        for precision, want in (("highest", "ieee"), ("high", "tf32"), ("medium", "tf32")):
-            torch.set_float32_matmul_precision(precision)
-            assert dot_precision(torch.float32) == want, precision
-            assert dot_precision(torch.bfloat16) == dot_precision(torch.float16) == "tf32", precision
-    finally:
-        torch.set_float32_matmul_precision(default)
+    for precision, want in (("highest", "ieee"), ("high", "tf32"), ("medium", "tf32")):
+        matmul_precision(precision)
+        assert dot_precision(torch.float32) == want, precision
+        assert dot_precision(torch.bfloat16) == dot_precision(torch.float16) == "tf32", precision
 
 
 def _poison_free_memory():
