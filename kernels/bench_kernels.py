@@ -139,7 +139,10 @@ def _flex(shape, q, k, v):
 
     block_mask = create_block_mask(visible, None, None, shape.s, shape.s)
     torch._functorch.config.donated_buffer = False  # the backward is timed again and again, with retain_graph
-    compiled = torch.compile(flex_attention)
+    # each shape compiled afresh and static: a recompile would otherwise make the shape dynamic,
+    # and the peer's speed would depend on the shapes run before it (ring step: 359 or 392 fwd)
+    torch._dynamo.reset()
+    compiled = torch.compile(flex_attention, dynamic=False)
 
     def forward():
         return compiled(q, k, v, block_mask=block_mask, scale=shape.d_qk ** -0.5, enable_gqa=shape.h_q != shape.h_kv)

@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from .triton_tiles import (LOG2E, autotune, dot_precision, head_blocks, head_start, key_padding_args, key_walk,
-                           launch, load_rows, padding_bounds, query_block, real_keys, rows_of, sequence, store_tile,
-                           tile_ranges, visible)
+                           launch, load_rows, padding_bounds, query_block, real_keys, rows_of, sequence, short_walk,
+                           store_tile, tile_ranges, visible)
 
 
 @triton.jit
@@ -60,8 +60,8 @@ def _dq_kernel(Q, K, V, DO, O, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k, KeyPa
                stride_db, stride_dh, stride_ds, stride_dqb, stride_dqh, stride_dqs,
                seqlen_q, seqlen_k, group, before, after, qk_scale, scale,
                D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-               VARLEN: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr):
+               VARLEN: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, PRECISION: tl.constexpr,
+               SHORT_WALK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     batch, head = tl.program_id(2), tl.program_id(1)
     q_start, seqlen_q, k_start, seqlen_k, real_prefix, first = query_block(cu_seqlens_q, cu_seqlens_k, KeyBounds, batch,
                                                                            seqlen_q, seqlen_k, BLOCK_M, VARLEN,
@@ -149,7 +149,7 @@ def _dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, cu_seqlens_q, cu_seqlens_k, Ke
                  seqlen_q, seqlen_k, group, parts, before, after, qk_scale, scale,
                  D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                  VARLEN: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, PRECISION: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 SHORT_WALK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     batch, kv_head, part = tl.program_id(2), tl.program_id(1) // parts, tl.program_id(1) % parts
     q_start, seqlen_q = sequence(cu_seqlens_q, batch, seqlen_q, VARLEN)
     k_start, seqlen_k = sequence(cu_seqlens_k, batch, seqlen_k, VARLEN)
@@ -231,7 +231,8 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, ma
     varlen = cu_seqlens_q is not None
     delta = torch.empty(1 if varlen else batch, h_q, s_q, dtype=torch.float32, device=q.device).expand(batch, h_q, s_q)
     common = dict(D_QK=d_qk, D_V=d_v, BLOCK_DQK=head_blocks(d_qk), BLOCK_DV=head_blocks(d_v), VARLEN=varlen,
-                  HAS_KEY_PADDING=key_padding_mask is not None, PRECISION=dot_precision(q.dtype))
+                  HAS_KEY_PADDING=key_padding_mask is not None, PRECISION=dot_precision(q.dtype),
+                  SHORT_WALK=short_walk(before, after))
     padding = key_padding_args(key_padding_mask)
     qk_scale = scale * LOG2E.value
 

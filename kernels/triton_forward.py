@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .triton_tiles import (LN2, LOG2E, autotune, dot_precision, head_blocks, head_start, key_padding_args, key_walk,
-                           launch, load_rows, query_block, real_keys, store_tile, visible)
+                           launch, load_rows, query_block, real_keys, short_walk, store_tile, visible)
 
 
 @triton.jit
@@ -56,7 +56,7 @@ def _forward_kernel(Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, KeyPadding, s
                     seqlen_q, seqlen_k, group, before, after, qk_scale,
                     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                     VARLEN: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, PRECISION: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    SHORT_WALK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     batch, head = tl.program_id(2), tl.program_id(1)
     q_start, seqlen_q, k_start, seqlen_k, real_prefix, first = query_block(cu_seqlens_q, cu_seqlens_k, KeyBounds, batch,
                                                                            seqlen_q, seqlen_k, BLOCK_M, VARLEN,
@@ -117,4 +117,5 @@ def forward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
         max_seqlen_q, max_seqlen_k, h_q // k.shape[1], before, after, scale * LOG2E.value,
         D_QK=d_qk, D_V=d_v, BLOCK_DQK=head_blocks(d_qk), BLOCK_DV=head_blocks(d_v), VARLEN=cu_seqlens_q is not None,
         HAS_KEY_PADDING=key_padding_mask is not None, PRECISION=dot_precision(q.dtype),
+        SHORT_WALK=short_walk(before, after),
     )

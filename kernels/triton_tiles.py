@@ -27,8 +27,8 @@ def autotune(small, large, key):
     (``dot_precision``) run on the CUDA cores and compile slowly: they get the first float32
     configuration alone instead of a tuning run over all of them. One small configuration
     when interpreting, so the CPU tests cross several tiles. The kernel's first argument must be
-    Q, and it takes the PRECISION constexpr, which joins the key."""
-    key = [*key, "PRECISION"]
+    Q, and it takes the PRECISION and SHORT_WALK constexprs, which join the key."""
+    key = [*key, "PRECISION", "SHORT_WALK"]
     if INTERPRET:
         return triton.autotune([triton.Config({"BLOCK_M": 16, "BLOCK_N": 16})], key=key)
 
@@ -68,6 +68,14 @@ def dot_precision(dtype: torch.dtype) -> str:
     torch.matmul does: IEEE float32 at "highest" (PyTorch's default), TF32 otherwise. Other
     dtypes are unaffected."""
     return "ieee" if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+def short_walk(before: int, after: int) -> bool:
+    """Whether a row sees fewer than 4096 keys (a sliding window). It is part of the autotuning
+    key (the SHORT_WALK constexpr, which the kernels do not otherwise read): short walks favour
+    other tiles than long ones (BENCHMARKS.md), so a window does not inherit the tiles tuned for
+    causal attention with the same head dims."""
+    return before + after < 4096
 
 
 def head_blocks(d: int) -> int:

@@ -18,13 +18,18 @@ def _opcheck_all(rank, world):
     for is_causal, layout, memory in ((True, "zigzag", "BHSD"), (False, "contiguous", "BSHD")):
         # GQA + MLA: 4/2 heads, d_qk 24, d_v 16; BSHD memory as a model's .transpose(1, 2) hands it over
         q, k, v = (_in_memory(torch.randn(2, h, 8, d), memory).requires_grad_() for h, d in ((4, 24), (2, 24), (2, 16)))
-        for op, backward, names in ((ops.ring_attention, ops.ring_attention_backward, (name,)),
-                                    (ops.ulysses_attention, ops.ulysses_attention_backward, (name,)),
-                                    (ops.hybrid_attention, ops.hybrid_attention_backward, hybrid_names)):
+        config = (name, SCALE, is_causal, layout)
+        torch.library.opcheck(ops.ring_attention.default, (q, k, v, *config))
+        out, lse = ops.ring_attention(q, k, v, *config)
+        torch.library.opcheck(ops.ring_attention_backward.default,
+                              (torch.randn_like(out), *_detached(q, k, v, out), lse, *config))
+        # Ulysses and hybrid hand their head shards to the backward, then k's head count
+        for op, backward, names in ((ops.ulysses_attention, ops.ulysses_attention_backward, (name, world)),
+                                    (ops.hybrid_attention, ops.hybrid_attention_backward, (*hybrid_names, world))):
             config = (*names, SCALE, is_causal, layout)
             torch.library.opcheck(op.default, (q, k, v, *config))
-            out, lse = op(q, k, v, *config)
-            torch.library.opcheck(backward.default, (torch.randn_like(out), *_detached(q, k, v, out), lse, *config))
+            out, lse, *heads = op(q, k, v, *config)
+            torch.library.opcheck(backward.default, (torch.randn_like(out), *_detached(*heads), k.shape[1], *config))
         for recompute_kv in (False, True):
             config = (name, SCALE, is_causal, layout)
             forward_args = (q, k, v, name, world, *config[1:], recompute_kv)

@@ -93,3 +93,28 @@ def _check_all(rank, world, compiled):
 @pytest.mark.parametrize("world", [2, 4])
 def test_strategies_match_oracle(world, compiled):
     run_distributed(_check_all, world, compiled)
+
+
+def _count_exchanges(rank, world):
+    from attn_compile.cp import ulysses
+    calls = []
+    exchange = ulysses.all_to_all_stacked
+    ulysses.all_to_all_stacked = lambda x, group: calls.append(x.shape) or exchange(x, group)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2))
+        for strategy, group in (("ulysses", dist.group.WORLD), ("hybrid", mesh)):
+            torch.manual_seed(0)
+            q, k, v = (torch.randn(1, h, 8, 16, requires_grad=True) for h in (8, 2, 2))
+            out = context_parallel_attention(q, k, v, group=group, strategy=strategy, is_causal=True)
+            forward = len(calls)
+            out.backward(torch.randn_like(out))
+            # forward: q, k, v there, out and lse back; backward: dout there, dq, dk, dv back
+            assert (forward, len(calls) - forward) == (5, 4), (strategy, forward, len(calls) - forward)
+            calls.clear()
+    finally:
+        ulysses.all_to_all_stacked = exchange
+
+
+def test_ulysses_backward_exchanges_only_gradients():
+    """The backward reuses the forward's head shards of q, k, v, out and lse."""
+    run_distributed(_count_exchanges, 4)

@@ -216,5 +216,5 @@ distributed by placements (cost-model estimates, fwd + bwd):
   attention_default: q=(Shard(dim=2),), k=(Shard(dim=2),), v=(Shard(dim=2),) -> context parallel over mesh dim(s) [0]: allgather
       ring: 210.1 us (compute 0.001043 us, transfer 0.0502 us, memory 0.01465 MiB)
       allgather: 0.0601 us (compute 0.001043 us, transfer 0.05905 us, memory 0.01953 MiB)
-      ulysses: 0.1345 us (compute 0.001043 us, transfer 0.1335 us, memory 0.009766 MiB)
+      ulysses: 0.1583 us (compute 0.001043 us, transfer 0.1573 us, memory 0.009766 MiB)
       hybrid: hybrid needs a 2-D mesh""")

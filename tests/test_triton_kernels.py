@@ -23,7 +23,9 @@ pytest.importorskip("triton", reason="the Triton kernels need the triton package
 
 from attn_compile.kernels import reference, triton_attention as ta  # noqa: E402
 from attn_compile.kernels.problem import Problem  # noqa: E402
-from attn_compile.kernels.triton_tiles import dot_precision, key_padding_args  # noqa: E402
+from attn_compile.kernels.triton_backward import _dkdv_kernel, _dq_kernel  # noqa: E402
+from attn_compile.kernels.triton_forward import _forward_kernel  # noqa: E402
+from attn_compile.kernels.triton_tiles import dot_precision, key_padding_args, short_walk  # noqa: E402
 from oracle import naive_attention, rel_err  # noqa: E402
 from shapes import make_qkv  # noqa: E402
 
@@ -336,6 +338,18 @@ def test_float32_dots_follow_the_matmul_precision(matmul_precision):
         matmul_precision(precision)
         assert dot_precision(torch.float32) == want, precision
         assert dot_precision(torch.bfloat16) == dot_precision(torch.float16) == "tf32", precision
+
+
+def test_windows_are_tuned_apart_from_long_walks():
+    """A sliding window gets its own autotuned tiles, at any offsets; causal and full attention share theirs."""
+    def walk(is_causal, window, q_offset=0, k_offset=0):
+        return short_walk(*ta._reaches(is_causal, window, q_offset, k_offset, 8192))
+
+    assert walk(True, (1024, 0)) and walk(False, (100, 100)) and walk(True, (1024, 0), 2112, 64)
+    assert not (walk(True, (-1, -1)) or walk(False, (-1, -1)) or walk(True, (-1, -1), 2112, 64))
+    assert not walk(False, (4096, 0))
+    for kernel in (_forward_kernel, _dq_kernel, _dkdv_kernel):
+        assert {"PRECISION", "SHORT_WALK"} <= set(kernel.keys), kernel
 
 
 def _poison_free_memory():

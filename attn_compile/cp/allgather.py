@@ -4,10 +4,9 @@ attend the local queries to their visible prefix; the backward pass reduce-scatt
 The forward op also returns the gathered K and V. The backward reuses them, or, with
 ``recompute_kv``, gathers them again instead of keeping them alive between the passes (the op
 then returns empty tensors in their place). Their shape depends on the group size, so the op
-takes it as an argument (as torch's functional collectives do): a compiled graph must not depend
-on state it cannot see. Packed documents always gather again: their gathered size is in
-cu_seqlens's values. Only the key chunks a query chunk can see are computed, so a sliding window
-costs its visible band; the whole of K and V is still gathered.
+takes it as an argument (``comm.sized_group``). Packed documents always gather again: their
+gathered size is in cu_seqlens's values. Only the key chunks a query chunk can see are
+computed, so a sliding window costs its visible band; the whole of K and V is still gathered.
 """
 from typing import Optional
 
@@ -15,7 +14,7 @@ import torch
 from torch import Tensor
 
 from .checks import check_call, sharding_of
-from .comm import all_gather_stacked, reduce_scatter_stacked, resolve
+from .comm import all_gather_stacked, reduce_scatter_stacked, resolve, sized_group
 from .merge import MergedResult
 from .registration import fake_grads, fake_result
 from .tiles import attend_tiles, attend_tiles_backward, plan_tiles
@@ -56,9 +55,7 @@ def allgather_attention(q: Tensor, k: Tensor, v: Tensor, group_name: str, group_
                         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns (out, lse, k_all, v_all); k_all and v_all are the whole sequence's K and V, or
     empty with ``recompute_kv`` (packed documents need it: the whole batch's size is in cu_seqlens)."""
-    (group,) = groups = resolve([group_name])
-    if group_size != group.size():
-        raise ValueError(f"group_size must be the size of group {group_name!r}, {group.size()}; got {group_size}")
+    (group,) = groups = (sized_group(group_name, group_size),)
     if cu_seqlens is not None and not recompute_kv:
         raise ValueError("packed documents (cu_seqlens) need recompute_kv=True: the gathered K and V have a size "
                          "that only cu_seqlens's values give")

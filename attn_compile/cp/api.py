@@ -25,21 +25,24 @@ def _run_strategy(q, k, v, strategy, group_names, scale, is_causal, layout, reco
     ops = torch.ops.attn_cp
     masking = (window_left, window_right)
     documents = (cu_seqlens, max_seqlen)
+    sizes = [group.size() for group in resolve(group_names)]
     if strategy == "ring":
         return ops.ring_attention(q, k, v, group_names[0], scale, is_causal, layout, *masking, *documents)
     if strategy == "allgather":
-        size = resolve(group_names)[0].size()
         recompute_kv = recompute_kv or cu_seqlens is not None
-        out, lse, _, _ = ops.allgather_attention(q, k, v, group_names[0], size, scale, is_causal, layout,
+        out, lse, _, _ = ops.allgather_attention(q, k, v, group_names[0], sizes[0], scale, is_causal, layout,
                                                  recompute_kv, *masking, *documents)
         return out, lse
     if strategy == "ulysses":
-        return ops.ulysses_attention(q, k, v, group_names[0], scale, is_causal, layout, *masking, *documents)
+        out, lse, *_ = ops.ulysses_attention(q, k, v, group_names[0], sizes[0], scale, is_causal, layout, *masking,
+                                             *documents)
+        return out, lse
     if strategy == "hybrid":
         if cu_seqlens is not None:
             raise ValueError("strategy='hybrid' does not take packed documents (cu_seqlens); use 'ring', "
                              "'allgather' or 'ulysses'")
-        return ops.hybrid_attention(q, k, v, group_names[0], group_names[1], scale, is_causal, layout, *masking)
+        out, lse, *_ = ops.hybrid_attention(q, k, v, *group_names, sizes[1], scale, is_causal, layout, *masking)
+        return out, lse
     raise ValueError(f"strategy must be one of {cost_model.STRATEGIES}; got {strategy!r}")
 
 

@@ -34,6 +34,16 @@ def resolve(names: list[str]) -> tuple:
     return tuple(_resolve_process_group(name) for name in names)
 
 
+def sized_group(name: str, size: int):
+    """The process group ``name``, checked to have ``size`` ranks. Ops whose output shapes depend
+    on the group size take it as an argument, as torch's functional collectives do: a compiled
+    graph must not depend on state it cannot see."""
+    (group,) = resolve([name])
+    if size != group.size():
+        raise ValueError(f"group_size must be the size of group {name!r}, {group.size()}; got {size}")
+    return group
+
+
 @functools.lru_cache(maxsize=None)
 def _host_group(group):
     if dist.get_backend(group) == "gloo":

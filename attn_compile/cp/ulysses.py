@@ -6,8 +6,13 @@ query heads [j·h_q/cp, (j+1)·h_q/cp), so h_q must be a multiple of cp. KV head
 h_kv is not a multiple of cp, every KV head is repeated r = cp / gcd(h_kv, cp) times
 (repeat_interleave, so query head i still maps to KV head i // (h_q / h_kv)); h_kv·r is then
 the least multiple of both, and each rank gets the h_kv·r/cp KV heads its query heads use.
-The gradients of the r copies of a head are summed back. The backward pass exchanges its
-inputs again rather than keeping head-sharded copies alive between the passes.
+The gradients of the r copies of a head are summed back.
+
+The forward op also returns the head shards of q, k, v, out and the LSE, and the backward
+reuses them: it exchanges only dout one way and dq, dk, dv back (4 all-to-alls, not 9). That
+keeps one head-sharded copy of out alive between the passes besides the caller's out. Packed
+documents are exchanged again instead (their head shards' size is in cu_seqlens's values), and
+the op returns empty tensors in their place.
 
 ``exchange_forward`` and ``exchange_backward`` take the attention run on the head shards, so
 the hybrid strategy reuses them around a ring. Packed documents (uneven shards) are padded to
@@ -21,11 +26,12 @@ from torch import Tensor
 
 from attn_compile.kernels import attention_backward, attention_forward, varlen_backward, varlen_forward
 from attn_compile.kernels.documents import packed, unpacked
+from attn_compile.kernels.reference import lse_dtype
 
 from .checks import check_call, sharding_of
-from .comm import all_to_all_stacked, resolve
+from .comm import all_to_all_stacked, sized_group
 from .documents import DocumentSharding
-from .registration import register_strategy
+from .registration import fake_result, register_head_exchange
 
 
 def kv_head_repeats(h_kv: int, cp: int) -> int:
@@ -46,20 +52,36 @@ def to_sequence_shards(x, group, sharding):
     return torch.cat(received.unbind(0), dim=1).narrow(2, 0, sharding.local_len(group.rank())).contiguous()
 
 
+def to_head_shards_of(q, k, v, group, sharding):
+    """The head shards of q, k and v, the KV heads repeated by ``kv_head_repeats``."""
+    repeats = kv_head_repeats(k.shape[1], group.size())
+    return tuple(to_head_shards(x, group, sharding) for x in (q, k.repeat_interleave(repeats, 1),
+                                                               v.repeat_interleave(repeats, 1)))
+
+
+def head_shard_shapes(q, k, v, cp: int) -> list[tuple]:
+    """The shapes of the head shards of q, k, v, out and lse on a group of ``cp`` ranks."""
+    batch, h_q, seq = q.shape[:3]
+    h_kv = k.shape[1] * kv_head_repeats(k.shape[1], cp)
+    return [(batch, h_q // cp, seq * cp, q.shape[3]), (batch, h_kv // cp, seq * cp, k.shape[3]),
+            (batch, h_kv // cp, seq * cp, v.shape[3]), (batch, h_q // cp, seq * cp, v.shape[3]),
+            (batch, h_q // cp, seq * cp)]
+
+
 def exchange_forward(q, k, v, group, sharding, attend):
-    """(out, lse) sequence-sharded, from ``attend(q, k, v) -> (out, lse)`` run on head shards."""
-    repeats = kv_head_repeats(k.shape[1], group.size())
-    q, k, v = (to_head_shards(x, group, sharding) for x in (q, k.repeat_interleave(repeats, 1),
-                                                            v.repeat_interleave(repeats, 1)))
-    return tuple(to_sequence_shards(x, group, sharding) for x in attend(q, k, v))
+    """(out, lse) sequence-sharded, then the head shards (q, k, v, out, lse) for the backward, from
+    ``attend(q, k, v) -> (out, lse)`` run on head shards."""
+    heads = to_head_shards_of(q, k, v, group, sharding)
+    out, lse = attend(*heads)
+    return (to_sequence_shards(out, group, sharding), to_sequence_shards(lse, group, sharding), *heads, out, lse)
 
 
-def exchange_backward(dout, q, k, v, out, lse, group, sharding, attend_backward):
-    """(dq, dk, dv) sequence-sharded, from ``attend_backward(dout, q, k, v, out, lse)`` run on head shards."""
-    repeats = kv_head_repeats(k.shape[1], group.size())
-    inputs = (dout, q, k.repeat_interleave(repeats, 1), v.repeat_interleave(repeats, 1), out, lse)
-    dq, dk, dv = (to_sequence_shards(g, group, sharding)
-                  for g in attend_backward(*(to_head_shards(x, group, sharding) for x in inputs)))
+def exchange_backward(dout, heads, kv_heads, group, sharding, attend_backward):
+    """(dq, dk, dv) sequence-sharded, from the forward's head shards ``heads`` (q, k, v, out, lse)
+    and ``attend_backward(dout, q, k, v, out, lse)`` run on head shards; ``kv_heads`` is h_kv."""
+    repeats = kv_head_repeats(kv_heads, group.size())
+    grads = attend_backward(to_head_shards(dout, group, sharding), *heads)
+    dq, dk, dv = (to_sequence_shards(g, group, sharding) for g in grads)
     return dq, dk.unflatten(1, (-1, repeats)).sum(2), dv.unflatten(1, (-1, repeats)).sum(2)
 
 
@@ -86,26 +108,47 @@ def whole_sequence_attention(sharding, scale, is_causal, window):
 
 
 @torch.library.custom_op("attn_cp::ulysses_attention", mutates_args=())
-def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group_name: str, scale: float, is_causal: bool, layout: str,
-                      window_left: int = -1, window_right: int = -1, cu_seqlens: Optional[Tensor] = None,
-                      max_seqlen: int = 0) -> tuple[Tensor, Tensor]:
-    (group,) = groups = resolve([group_name])
+def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group_name: str, group_size: int, scale: float,
+                      is_causal: bool, layout: str, window_left: int = -1, window_right: int = -1,
+                      cu_seqlens: Optional[Tensor] = None, max_seqlen: int = 0
+                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(out, lse, q_h, k_h, v_h, out_h, lse_h): the head shards are empty for packed documents."""
+    (group,) = groups = (sized_group(group_name, group_size),)
     window = (window_left, window_right)
     sharding = check_call(q, k, v, groups, strategy="ulysses", scale=scale, is_causal=is_causal, layout=layout,
-                          window=window, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, head_split=group.size())
+                          window=window, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, head_split=group_size)
     forward, _ = whole_sequence_attention(sharding, scale, is_causal, window)
-    return exchange_forward(q, k, v, group, sharding, forward)
+    out, lse, *heads = exchange_forward(q, k, v, group, sharding, forward)
+    return out, lse, *(heads if cu_seqlens is None else [x.new_empty(0) for x in heads])
+
+
+@ulysses_attention.register_fake
+def _(q, k, v, group_name, group_size, scale, is_causal, layout, window_left=-1, window_right=-1, cu_seqlens=None,
+      max_seqlen=0):
+    return (*fake_result(q, v), *fake_head_shards(q, k, v, group_size, packed=cu_seqlens is not None))
+
+
+def fake_head_shards(q, k, v, cp: int, packed: bool = False) -> list[Tensor]:
+    """What ``exchange_forward`` keeps for the backward, or empty tensors for packed documents."""
+    shapes = [(0,)] * 5 if packed else head_shard_shapes(q, k, v, cp)
+    return [q.new_empty(shape, dtype=lse_dtype(q.dtype) if i == 4 else x.dtype)
+            for i, (shape, x) in enumerate(zip(shapes, (q, k, v, q, q)))]
 
 
 @torch.library.custom_op("attn_cp::ulysses_attention_backward", mutates_args=())
 def ulysses_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                               group_name: str, scale: float, is_causal: bool, layout: str, window_left: int = -1,
-                               window_right: int = -1, cu_seqlens: Optional[Tensor] = None, max_seqlen: int = 0
+                               kv_heads: int, group_name: str, group_size: int, scale: float, is_causal: bool,
+                               layout: str, window_left: int = -1, window_right: int = -1,
+                               cu_seqlens: Optional[Tensor] = None, max_seqlen: int = 0
                                ) -> tuple[Tensor, Tensor, Tensor]:
-    (group,) = groups = resolve([group_name])
-    sharding = sharding_of(q, groups, layout, cu_seqlens)
+    """q, k, v, out and lse are the forward's head shards; for packed documents, the sequence shards."""
+    (group,) = groups = (sized_group(group_name, group_size),)
+    sharding = sharding_of(dout, groups, layout, cu_seqlens)
     _, backward = whole_sequence_attention(sharding, scale, is_causal, (window_left, window_right))
-    return exchange_backward(dout, q, k, v, out, lse, group, sharding, backward)
+    if cu_seqlens is not None:
+        q, k, v = to_head_shards_of(q, k, v, group, sharding)
+        out, lse = (to_head_shards(x, group, sharding) for x in (out, lse))
+    return exchange_backward(dout, (q, k, v, out, lse), kv_heads, group, sharding, backward)
 
 
-register_strategy(ulysses_attention, ulysses_attention_backward)
+register_head_exchange(ulysses_attention, ulysses_attention_backward)
