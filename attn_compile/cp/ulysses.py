@@ -55,8 +55,8 @@ def to_sequence_shards(x, group, sharding):
 def to_head_shards_of(q, k, v, group, sharding):
     """The head shards of q, k and v, the KV heads repeated by ``kv_head_repeats``."""
     repeats = kv_head_repeats(k.shape[1], group.size())
-    return tuple(to_head_shards(x, group, sharding) for x in (q, k.repeat_interleave(repeats, 1),
-                                                               v.repeat_interleave(repeats, 1)))
+    k, v = (x if repeats == 1 else x.repeat_interleave(repeats, 1) for x in (k, v))  # repeats of 1 would copy
+    return tuple(to_head_shards(x, group, sharding) for x in (q, k, v))
 
 
 def head_shard_shapes(q, k, v, cp: int) -> list[tuple]:
@@ -82,6 +82,8 @@ def exchange_backward(dout, heads, kv_heads, group, sharding, attend_backward):
     repeats = kv_head_repeats(kv_heads, group.size())
     grads = attend_backward(to_head_shards(dout, group, sharding), *heads)
     dq, dk, dv = (to_sequence_shards(g, group, sharding) for g in grads)
+    if repeats == 1:
+        return dq, dk, dv
     return dq, dk.unflatten(1, (-1, repeats)).sum(2), dv.unflatten(1, (-1, repeats)).sum(2)
 
 
