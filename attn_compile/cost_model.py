@@ -26,6 +26,9 @@ class Hardware:
     a2a_efficiency: float = 0.94  # all-to-all likewise
     memory_gbps: float = 3000.0  # HBM, for the fp32 merge of partial outputs and Ulysses' copies
     step_overhead_s: float = 30e-6  # launches and synchronisation of one ring step
+    # cuDNN's backward with d_qk != d_v (MLA 192/128, H200) runs full (unmasked) tiles at 300 TFLOP/s
+    # against 469 for causal ones; with d_qk == d_v the two run alike (551 / 532 at 128/128)
+    unequal_dims_full_backward: float = 0.64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +72,18 @@ class Problem:
             return (s + 1) / 2
         return min(s, (s if left == UNBOUNDED else left) + (s if right == UNBOUNDED else right) + 1)
 
+    def full_tile_share(self, ranks: int, one_call: bool) -> float:
+        """The share of a rank's work that runs as full (unmasked) tiles: all of it without a mask.
+        Under a mask, none for one call over the whole sequence (Ulysses); for a ring or gather over
+        ``ranks``, all but the diagonal step's 1/ranks under a plain causal mask, and none under a
+        window (its steps' tiles are masked)."""
+        left, right = effective_window(self.is_causal, self.window)
+        if left == UNBOUNDED and right == UNBOUNDED:
+            return 1.0
+        if one_call or (left, right) != (UNBOUNDED, 0):
+            return 0.0
+        return 1 - 1 / ranks
+
     def ring_transfers(self, ranks: int) -> int:
         """Ring steps that move K and V: all but the first, unless a window on contiguous shards
         lets the ring stop early (cp/ring.py stops after the last step any rank needs)."""
@@ -98,24 +113,34 @@ class Estimate:
                 f"transfer {self.transfer_s * 1e6:.4g} us, memory {self.memory_bytes / 2**20:.4g} MiB)")
 
 
-def _ring(p: Problem, hw: Hardware, ranks: int, compute: float) -> tuple[float, float, float]:
-    """(transfer, time, memory) of a ring over ``ranks``: KV forward, KV and dKV backward. Each
-    step also pays a fixed overhead and the fp32 merge of the partial output."""
+def _backward_compute(p: Problem, hw: Hardware, full_share: float) -> float:
+    """Backward time over forward time, with ``full_share`` of the work in full tiles."""
+    if p.d_qk == p.d_v:
+        return BACKWARD_COMPUTE
+    return BACKWARD_COMPUTE * (1 - full_share + full_share / hw.unequal_dims_full_backward)
+
+
+def _ring(p: Problem, hw: Hardware, ranks: int, compute: float, backward: float) -> tuple[float, float, float]:
+    """(transfer, time, memory) of a ring over ``ranks``: KV forward, KV and dKV backward, the
+    backward taking ``backward`` times the forward's compute. Each step also pays a fixed
+    overhead and the fp32 merge of the partial output."""
     step_bytes = p.kv_bytes(p.h_kv)
     step_transfer = step_bytes / (hw.link_gbps * 1e9)
     transfers = p.ring_transfers(ranks)
     merge = 3 * p.batch * p.h_q * p.s_local * (p.d_v + 1) * 4 / (hw.memory_gbps * 1e9)
     step_compute = compute / (transfers + 1) + merge + hw.step_overhead_s
     fwd = step_compute + transfers * max(step_compute, step_transfer)
-    bwd = BACKWARD_COMPUTE * step_compute + transfers * max(BACKWARD_COMPUTE * step_compute, 2 * step_transfer)
+    bwd = backward * step_compute + transfers * max(backward * step_compute, 2 * step_transfer)
     return 3 * transfers * step_transfer, fwd + bwd, 3 * step_bytes
 
 
 def estimate(strategy: str, p: Problem, hw: Hardware = Hardware()) -> Estimate:
     compute = p.forward_flops() / (hw.kernel_tflops * 1e12)
-    total_compute = compute * (1 + BACKWARD_COMPUTE)
+    ring_ranks = p.mesh_shape[0] if strategy == "hybrid" else p.cp  # the hybrid's ring runs across the outer dim
+    backward = _backward_compute(p, hw, p.full_tile_share(ring_ranks, one_call=strategy == "ulysses"))
+    total_compute = compute * (1 + backward)
     if strategy == "ring":
-        transfer, time, memory = _ring(p, hw, p.cp, compute)
+        transfer, time, memory = _ring(p, hw, p.cp, compute, backward)
     elif strategy == "allgather":
         # all-gather of KV in forward, again in backward (recomputed), reduce-scatter of dKV
         gathered = p.kv_bytes(p.h_kv) * p.cp
@@ -129,7 +154,7 @@ def estimate(strategy: str, p: Problem, hw: Hardware = Hardware()) -> Estimate:
         a2a = _a2a_seconds(p, hw, inner)
         per_group = dataclasses.replace(p, s_local=p.s_local * inner, h_q=p.h_q // inner,
                                         h_kv=_kv_heads_sent(p.h_kv, inner) // inner, mesh_shape=(outer,))
-        ring_transfer, ring_time, memory = _ring(per_group, hw, outer, compute)
+        ring_transfer, ring_time, memory = _ring(per_group, hw, outer, compute, backward)
         transfer, time = a2a + ring_transfer, a2a + ring_time
     else:
         raise ValueError(f"strategy must be one of {STRATEGIES}; got {strategy!r}")
