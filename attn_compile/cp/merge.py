@@ -20,8 +20,7 @@ class MergedResult:
         n = q.shape[2]
         cuts = sorted({0, n, *(r.start for r in parts_rows), *(r.stop for r in parts_rows)})
         self._segments = [slice(a, b) for a, b in zip(cuts, cuts[1:])]
-        self._parts = [sum(r.start <= s.start and s.stop <= r.stop for r in parts_rows)
-                            for s in self._segments]
+        self._parts = [sum(r.start <= s.start and s.stop <= r.stop for r in parts_rows) for s in self._segments]
         self._seen = [0] * len(self._segments)
         self.out = q.new_empty((*q.shape[:-1], v.shape[-1]))
         self.lse = q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))

@@ -133,8 +133,8 @@ def _(q, k, v, group_name, group_size, scale, is_causal, layout, window_left=-1,
 def fake_head_shards(q, k, v, cp: int, packed: bool = False) -> list[Tensor]:
     """What ``exchange_forward`` keeps for the backward, or empty tensors for packed documents."""
     shapes = [(0,)] * 5 if packed else head_shard_shapes(q, k, v, cp)
-    return [q.new_empty(shape, dtype=lse_dtype(q.dtype) if i == 4 else x.dtype)
-            for i, (shape, x) in enumerate(zip(shapes, (q, k, v, q, q)))]
+    dtypes = (q.dtype, k.dtype, v.dtype, q.dtype, lse_dtype(q.dtype))
+    return [q.new_empty(shape, dtype=dtype) for shape, dtype in zip(shapes, dtypes)]
 
 
 @torch.library.custom_op("attn_cp::ulysses_attention_backward", mutates_args=())
