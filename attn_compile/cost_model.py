@@ -31,6 +31,11 @@ class Hardware:
     unequal_dims_full_backward: float = 0.64
 
 
+def traced_int(size) -> int:
+    """A size, or a symbolic one at the value it was traced with: reading that adds no guard."""
+    return size if isinstance(size, int) else size.node.hint
+
+
 @dataclasses.dataclass(frozen=True)
 class Problem:
     """One attention call as each rank sees it: ``s_local`` query rows per rank."""
@@ -52,9 +57,11 @@ class Problem:
                   layout="zigzag"):
         """From q, k, v (tensors, or anything with their shape and dtype); ``s_local`` defaults to
         q's sequence length, for q, k, v that are already this rank's shards."""
-        return cls(batch=q.shape[0], s_local=q.shape[2] if s_local is None else s_local, h_q=q.shape[1],
-                   h_kv=k.shape[1], d_qk=q.shape[-1], d_v=v.shape[-1], dtype=q.dtype, is_causal=is_causal,
-                   window=tuple(window), mesh_shape=tuple(mesh_shape), layout=layout)
+        size = traced_int
+        return cls(batch=size(q.shape[0]), s_local=size(q.shape[2] if s_local is None else s_local),
+                   h_q=size(q.shape[1]), h_kv=size(k.shape[1]), d_qk=size(q.shape[-1]), d_v=size(v.shape[-1]),
+                   dtype=q.dtype, is_causal=is_causal, window=tuple(window), mesh_shape=tuple(mesh_shape),
+                   layout=layout)
 
     @property
     def cp(self) -> int:
@@ -62,7 +69,7 @@ class Problem:
 
     @property
     def element_bytes(self) -> int:
-        return torch.finfo(self.dtype).bits // 8
+        return self.dtype.itemsize
 
     def visible_keys(self) -> float:
         """Keys a query row sees, on average over the whole sequence."""
@@ -168,15 +175,19 @@ def _kv_heads_sent(h_kv: int, cp: int) -> int:
 
 def _a2a_seconds(p: Problem, hw: Hardware, ranks: int) -> float:
     """Ulysses all-to-alls, fwd + bwd: q, k, v there and out back; dout there and dq, dk, dv back
-    (the backward reuses the forward's head shards). Each exchange also copies its tensor into
-    the send buffer and out of the receive buffer: two read+write passes over HBM (measured on
-    2x H200, MLA 64K: 9.4 ms of all-to-alls came with about 5 ms of such copies)."""
+    (the backward reuses the forward's head shards). Each exchange also copies its tensor between
+    the sequence order and the per-rank blocks the all-to-all moves: one read+write pass over HBM
+    with a batch of one, two with more, where the per-rank blocks are not views (measured on 2x
+    H200, MLA 64K: 9.4 ms of all-to-alls came with about 5 ms of copies, when every exchange
+    made two or three)."""
     e = p.element_bytes
     per_row = p.batch * p.s_local * e
     q, out = per_row * p.h_q * p.d_qk, per_row * p.h_q * p.d_v
     kv = per_row * _kv_heads_sent(p.h_kv, ranks) * (p.d_qk + p.d_v)
     moved = 2 * (q + kv + out)
-    return moved * (ranks - 1) / ranks / (hw.link_gbps * hw.a2a_efficiency * 1e9) + 4 * moved / (hw.memory_gbps * 1e9)
+    copies = 1 if p.batch == 1 else 2
+    return (moved * (ranks - 1) / ranks / (hw.link_gbps * hw.a2a_efficiency * 1e9)
+            + 2 * copies * moved / (hw.memory_gbps * 1e9))
 
 
 def feasible(strategy: str, p: Problem) -> tuple[bool, str]:

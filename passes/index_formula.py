@@ -21,6 +21,8 @@ from typing import Callable, Union
 import torch
 from torch.fx import Node
 
+from .shapes import example_tensor
+
 J, I, H, B = -1, -2, -3, -4
 AXIS_NAMES = {J: "j", I: "i", H: "h", B: "b"}
 # Additive mask values that hide a key: -inf, and each floating dtype's minimum (Hugging Face's choice).
@@ -225,9 +227,14 @@ def negate(formula):
         return And(tuple(negate(t) for t in formula.terms))
     if isinstance(formula, Not):
         return formula.term
-    if isinstance(formula, Compare):
+    if isinstance(formula, Compare) and (formula.op in ("eq", "ne")
+                                         or not any(map(_may_be_nan, (formula.left, formula.right)))):
         return Compare(_NEGATED[formula.op], formula.left, formula.right)
-    return Not(formula)  # Eq, Gather
+    return Not(formula)  # Eq, Gather, an ordering of floating-point data: ~(nan < 0) is not nan >= 0
+
+
+def _may_be_nan(side) -> bool:
+    return isinstance(side, Gather) and example_tensor(side.source).dtype.is_floating_point
 
 
 def conjuncts(formula) -> list:

@@ -4,8 +4,8 @@ Pattern: ``x.contiguous()`` as q, k or v, with ``x`` unit-strided in its last ax
 (B, S, H, D) projection transposed to (B, H, S, D)). Replacement: ``x``. Every kernel behind the op
 takes such strides (the fused ones read them in place), so the copy is not needed. The op's output
 lies in q's memory order, so a ``transpose(1, 2).contiguous()`` after attention copies nothing
-when q was such a transpose. A copy whose source is modified in place stays: the op would read
-the edited source.
+when q was such a transpose. A copy that is modified in place, or whose source is, stays: the
+op would read the other one.
 """
 from torch.fx import Node
 
@@ -19,8 +19,8 @@ def _copied(node: Node):
     if op_of(node) != "contiguous" or len(node.args) > 1 or node.kwargs:
         return None
     source = example_tensor(node.args[0])
-    if source is None or not known_equal(source.stride(-1), 1) or is_mutated(node.args[0]):
-        return None  # a source edited in place may differ from the copy where the op reads it
+    if source is None or not known_equal(source.stride(-1), 1) or is_mutated(node.args[0]) or is_mutated(node):
+        return None  # a source or a copy edited in place may differ from the other where the op reads it
     return node.args[0]
 
 

@@ -2,7 +2,7 @@
 
 Each node becomes a ``Sym``: its formula over its own axes, its traced shape and dtype. Handled
 are index arithmetic (arange, +, -, * by a constant, // and % by a positive constant, comparisons),
-logic (&, |, ~), constants (zeros, ones, full, new_ones, ...), ``where``/``masked_fill`` of
+logic (&, |, ~), constants (zeros, ones, full, new_ones, torch.tensor(c), ...), ``where``/``masked_fill`` of
 constants, ``tril``/``triu``,
 dtype and device casts, and views (indexing with slices, None and index tensors, unsqueeze,
 view/reshape that only add or drop size-1 axes, expand). A tensor that no arange feeds (an input,
@@ -95,7 +95,9 @@ class MaskTracer:
         if is_mutated(node):  # its formula says how it was made, not what it holds after the edit
             raise Unsupported(f"{node.name} is modified in place")
         try:
-            return Sym(handler(self, node, out), tuple(out.shape), out.dtype)
+            expr = handler(self, node, out)
+            _check_integer_range(node, expr, out)
+            return Sym(expr, tuple(out.shape), out.dtype)
         except Unsupported:
             if self._fed_by_arange(node):
                 raise
@@ -131,6 +133,35 @@ class MaskTracer:
         return [self.operand(a, tuple(out.shape)) for a in node.args[:count]]
 
 
+# A symbolic size may grow up to the kernels' longest sequence (triton_tiles.MAX_SPAN) without a recompile.
+_LONGEST = 1 << 28
+
+
+def _check_integer_range(node: Node, expr, out: torch.Tensor) -> None:
+    """Index arithmetic is exact in the formula but wraps in the tensor: it is taken only in int32
+    and int64, and only where no value can leave the dtype's range."""
+    value = expr.value if isinstance(expr, Division) else expr
+    if not isinstance(value, Affine):
+        return
+    if out.dtype not in (torch.int32, torch.int64):
+        raise Unsupported(f"{node.name}: index arithmetic in {out.dtype}, which may wrap")
+    largest = abs(value.constant) + sum(abs(c) * (_size(out, axis) - 1) for axis, c in value.coefficients)
+    if largest > torch.iinfo(out.dtype).max:
+        raise Unsupported(f"{node.name}: {value} may overflow {out.dtype}")
+
+
+def _size(out: torch.Tensor, axis: int) -> int:
+    """The size of one of out's axes, or at most _LONGEST where it is symbolic."""
+    size = out.shape[axis] if -out.dim() <= axis < 0 else None
+    return size if isinstance(size, int) else _LONGEST
+
+
+def _least(value: Affine, out: torch.Tensor) -> int:
+    """The least value over out's indices, a symbolic size taken as _LONGEST: a negative
+    coefficient of a symbolic axis then gives a negative bound."""
+    return value.constant + sum(min(c, 0) * (_size(out, axis) - 1) for axis, c in value.coefficients)
+
+
 def _leaf(node: Node, out: torch.Tensor) -> Sym:
     return Sym(Gather(node, own_axes(out.dim())), tuple(out.shape), out.dtype)
 
@@ -156,6 +187,14 @@ def _constant(fill_position: int = -1, fill=None):
             return Number(bool(value))
         return Number(float(value) if out.dtype.is_floating_point else int(value))
     return handler
+
+
+def _scalar(tracer, node, out):
+    """``torch.tensor(c)`` of a Python number (transformers 5.17's where(mask, tensor(0.0), min))."""
+    value = node.args[0] if node.args else None
+    if out.dim() != 0 or not isinstance(value, (bool, int, float)):
+        raise Unsupported(f"{node.name}: torch.tensor of {value!r}, not of a number")
+    return _constant(fill=value)(tracer, node, out)
 
 
 def _add(sign: int):
@@ -365,7 +404,10 @@ def _advanced_index(tracer, node, out, source: Sym, index: tuple):
         value = tracer.operand(i, shape)
         if not _is_integer(value):
             raise Unsupported(f"{node.name}: index {i} is data, not index arithmetic")
-        mapping[p - rank_in] = _as_affine(value)
+        value = _as_affine(value)
+        if _least(value, out) < 0:
+            raise Unsupported(f"{node.name}: index {value} may be negative, where it would wrap")
+        mapping[p - rank_in] = value
     return substitute(source.expr, mapping)
 
 
@@ -373,7 +415,7 @@ _HANDLERS = {
     "arange": _arange,
     "zeros": _constant(fill=0), "new_zeros": _constant(fill=0), "zeros_like": _constant(fill=0),
     "ones": _constant(fill=1), "new_ones": _constant(fill=1), "ones_like": _constant(fill=1),
-    "full": _constant(fill_position=1), "new_full": _constant(fill_position=2),
+    "full": _constant(fill_position=1), "new_full": _constant(fill_position=2), "tensor": _scalar,
     "add": _add(1), "sub": _add(-1), "mul": _mul, "neg": _neg,
     "floordiv": _division("//"), "remainder": _division("%"),
     **{op: _compare for op in COMPARISONS},

@@ -23,6 +23,7 @@ elsewhere (e.g. returned attention weights), masked_fill with another value, a s
 at run time, q, k or the mask modified in place before the value matmul (the op reads them there).
 """
 import dataclasses
+import math
 from typing import Optional, Union
 
 import torch
@@ -49,6 +50,7 @@ class _Match:
     scale: float = 1.0
     mask: Optional[Node] = None
     mask_hides: bool = False  # a bool mask that is True at the hidden keys (masked_fill's)
+    fill: Optional[float] = None  # what masked_fill or where writes at the hidden keys
     chain: list = dataclasses.field(default_factory=list)  # the nodes between the two matmuls
     first: Optional[Node] = None  # where the pattern first reads q and k (the op reads them at the value matmul)
     reasons: list = dataclasses.field(default_factory=list)  # why the site stays as it is
@@ -128,7 +130,8 @@ def _masked(node) -> Optional[_Match]:
         if match is not None and example_tensor(cond) is not None:
             if fill not in HARD_NEGATIVES:
                 match.reasons.append(f"{op} with {fill}, not -inf or a dtype's minimum: not a mask")
-            match.mask, match.mask_hides, match.chain = cond, op == "masked_fill", match.chain + [node]
+            match.mask, match.mask_hides, match.fill = cond, op == "masked_fill", fill
+            match.chain = match.chain + [node]
             return match
     return _scores(node)
 
@@ -149,13 +152,16 @@ def _upcast(node) -> Node:
     return node.args[0] if out.dtype == source.dtype or widens else node
 
 
+def _softmax_dtype(node: Node):
+    return argument(node, 3 if node.target is F.softmax else 2, "dtype")  # F.softmax(input, dim, _stacklevel, dtype)
+
+
 def _softmax(node) -> Optional[Node]:
     if op_of(node) != "softmax":
         return None
     t = example_tensor(node)
-    dtype = argument(node, 3 if node.target is F.softmax else 2, "dtype")  # F.softmax(input, dim, _stacklevel, dtype)
     dim = argument(node, 1, "dim")
-    if not isinstance(dim, int) or dim % t.dim() != t.dim() - 1 or dtype not in _UPCASTS:
+    if not isinstance(dim, int) or dim % t.dim() != t.dim() - 1 or _softmax_dtype(node) not in _UPCASTS:
         return None
     return node.args[0]
 
@@ -208,6 +214,10 @@ def find(node: Node) -> Union[AttentionCall, Left, None]:
     shared = next((n for n in match.chain if len(n.users) > 1), None)
     if shared is not None:
         match.reasons.append(f"{shared.name} is also used by {', '.join(u.name for u in shared.users)}")
+    softmax_dtype = next(_softmax_dtype(n) for n in match.chain if op_of(n) == "softmax")
+    q_dtype = example_tensor(match.q).dtype
+    if softmax_dtype is not None and softmax_dtype.itemsize < q_dtype.itemsize:
+        match.reasons.append(f"the softmax runs in {softmax_dtype}, narrower than q's {q_dtype}")
     edited = [name for name in ("q", "k", "attn_mask")
               if tensors[name] is not None and mutated_between(tensors[name], match.first, node)]
     if edited:
@@ -215,5 +225,8 @@ def find(node: Node) -> Union[AttentionCall, Left, None]:
     if match.reasons:
         return Left(node, match.reasons[0], tensors)
     mask = _negated(node, match.mask) if match.mask_hides else match.mask
-    return AttentionCall(node, match.q, match.k, match.v, attn_mask=mask, scale=match.scale,
-                         notes=("hand-written softmax attention",))
+    notes = ("hand-written softmax attention",)
+    if match.fill is not None:  # the op takes the fill as a bool mask, and a bool mask gives such rows 0
+        eager = "NaN" if match.fill == -math.inf else f"the mean of v, as filling with {match.fill:.4g} does"
+        notes += (f"a query that sees no key gets 0, where the code as written gives {eager}",)
+    return AttentionCall(node, match.q, match.k, match.v, attn_mask=mask, scale=match.scale, notes=notes)

@@ -33,7 +33,7 @@ _FUNCTIONS = {
     torch.unsqueeze: "unsqueeze", torch.squeeze: "squeeze", torch.reshape: "reshape", torch.flatten: "flatten",
     torch.repeat_interleave: "repeat_interleave",
     torch.arange: "arange", torch.zeros: "zeros", torch.ones: "ones", torch.full: "full",
-    torch.zeros_like: "zeros_like", torch.ones_like: "ones_like",
+    torch.zeros_like: "zeros_like", torch.ones_like: "ones_like", torch.tensor: "tensor",
     operator.getitem: "getitem",
 }
 _METHODS = {

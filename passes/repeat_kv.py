@@ -99,8 +99,8 @@ def unrepeated(node: Node) -> Optional[Node]:
     """The tensor that ``node`` repeats along the head axis, or None if it is no such copy."""
     for pattern in PATTERNS:
         source = pattern(node)
-        if source is not None and not is_mutated(source):
-            return source
+        if source is not None and not is_mutated(source) and not is_mutated(node):
+            return source  # else the op would miss an edit of the copy, or see one of the source
     return None
 
 

@@ -20,12 +20,14 @@ def _arg(a) -> str:
 
 
 def normalized(gm) -> str:
-    lines = []
+    """One line per node; the inputs first, sorted by name (dynamo's order of them differs between
+    torch versions)."""
+    lines = sorted(f"{n.name} = input" for n in gm.graph.nodes if n.op == "placeholder")
     for n in gm.graph.nodes:
         args = [_arg(a) for a in n.args] + [f"{k}={_arg(v)}" for k, v in n.kwargs.items()]
         if n.op == "placeholder":
-            lines.append(f"{n.name} = input")
-        elif n.op == "output":
+            continue
+        if n.op == "output":
             lines.append(f"return {', '.join(args)}")
         else:
             lines.append(f"{n.name} = {_target(n.target)}({', '.join(args)})")

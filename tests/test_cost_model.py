@@ -36,9 +36,12 @@ def test_two_dimensional_mesh_means_hybrid():
 
 
 def test_window_reduces_compute_and_favours_gathering():
+    """Too little compute is left to hide the ring's transfers behind: gathering K and V (or the
+    heads, Ulysses) once costs less."""
     full, windowed = _problem(s_local=8192, mesh_shape=(4,)), _problem(s_local=8192, mesh_shape=(4,), window=(1024, 0))
     assert estimate("ring", windowed).compute_s < estimate("ring", full).compute_s / 10
-    assert choose(windowed)[0] == "allgather"
+    assert estimate("allgather", windowed).time_s < estimate("ring", windowed).time_s
+    assert choose(windowed)[0] in ("allgather", "ulysses")
 
 
 def test_window_on_contiguous_shards_shortens_the_ring():

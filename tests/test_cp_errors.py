@@ -95,3 +95,15 @@ def test_auto_follows_the_cost_model(heads, cp, seq, expected):
     q, k, v = (torch.empty(1, h, seq, d, dtype=torch.bfloat16) for h, d in ((h_q, d_qk), (h_kv, d_qk), (h_kv, d_v)))
     assert choose_strategy(q, k, v, _groups(cp), is_causal=True) == expected
     assert choose_strategy(q, k, v, _groups(2, 2), is_causal=True) == "hybrid"
+
+
+def test_auto_chooses_alike_for_packed_shards_of_any_length():
+    """Packed shards differ in length from rank to rank, and may be empty: the choice is made from
+    the documents (cu_seqlens, max_seqlen), which every rank sees alike."""
+    cu_seqlens = torch.tensor([0, 2264, 2265, 2266], dtype=torch.int32)
+    choices = set()
+    for tokens in (1134, 1132, 0):  # two ranks' shards of these documents (they once chose apart), an empty one
+        q, k, v = (torch.empty(1, h, tokens, d, dtype=torch.bfloat16) for h, d in ((4, 16), (2, 16), (2, 8)))
+        choices.add(choose_strategy(q, k, v, _groups(2), is_causal=True, window=(2, 0), cu_seqlens=cu_seqlens,
+                                    max_seqlen=2264))
+    assert len(choices) == 1

@@ -26,8 +26,8 @@ HEADS = {  # (h_q, h_kv, d_qk, d_v)
 # h_kv = 3 is no multiple of 4 (Ulysses) or 2 (hybrid's inner dim): each KV head travels as 4 or 2 copies
 UNEVEN_KV = {"gqa_12_3": (12, 3, 16, 16)}
 # "allgather_recompute": all-gather with recompute_kv=True (K and V gathered again in backward)
-STRATEGIES = {2: ("ring", "allgather", "allgather_recompute", "ulysses"),
-              4: ("ring", "allgather", "allgather_recompute", "ulysses", "hybrid")}
+STRATEGIES = {2: ("ring", "allgather", "allgather_recompute", "ulysses", "auto"),
+              4: ("ring", "allgather", "allgather_recompute", "ulysses", "hybrid", "auto")}
 BACKEND = "attn_cp"
 
 

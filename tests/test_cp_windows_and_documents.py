@@ -89,7 +89,7 @@ def _document_oracle(q, k, v, dout, cu_seqlens, **masking):
 
 def _check_documents(rank, world):
     group = dist.group.WORLD
-    cases = itertools.product(STRATEGIES[world][:3], WINDOWS, (False, True))
+    cases = itertools.product((*STRATEGIES[world][:3], "auto"), WINDOWS, (False, True))
     for seed, (strategy, window, is_causal) in enumerate(cases):
         layout = ("zigzag", "contiguous")[seed % 2]
         cu_seqlens, longest = _documents(world, seed)

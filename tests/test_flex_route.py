@@ -67,8 +67,8 @@ class TestRewrite(TestCase):
     def test_prefix_lm_graph(self):
         graph, sites = rewrite(attend(MASKS["prefix-LM"]), *inputs())
         self.assertExpectedInline(graph, """\
-l_q_ = input
 l_k_ = input
+l_q_ = input
 l_v_ = input
 flex_attention = flex_attention(l_q_, l_k_, l_v_)
 transpose = transpose(flex_attention, 1, 2)
@@ -107,6 +107,21 @@ class TestNumerics(TestCase):
         for name, mask in MASKS.items():
             with self.subTest(name):
                 self._check(mask, "aot_eager")
+
+    def test_a_negated_order_of_float_data_keeps_nan_visible(self):
+        """~(x < 0) is True where x is NaN; x >= 0 is False there."""
+        def mask(s, score):
+            i, j = _ij(s)
+            return ~(score[:, None, None, :] < 0) | (j <= i)
+
+        q, k, v, _ = inputs()
+        score = torch.randn(2, S)
+        score[:, 5] = float("nan")
+        _, sites = rewrite(attend(mask), q, k, v, score)
+        self.assertEqual(sites[0].notes, ["mask -> flex_attention mask_mod (~l_ids_[b, j] < 0 | j - i <= 0)"])
+        torch._dynamo.reset()
+        got = torch.compile(attend(mask), backend="attn_cp", options={"inner": "aot_eager"})(q, k, v, score)
+        self.assertLessEqual(rel_err(got, reference(mask, q, k, v, score)), TOL)
 
     def test_inductor(self):
         for name in ("prefix-LM", "documents bidirectional, causal across"):

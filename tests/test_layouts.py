@@ -21,8 +21,8 @@ class TestLayouts(TestCase):
         q, k, v = (torch.randn(2, 24, 4, 16, requires_grad=True) for _ in range(3))
         graph, sites = rewrite(bshd_attention, q, k, v)
         self.assertExpectedInline(graph, """\
-l_q_ = input
 l_k_ = input
+l_q_ = input
 l_v_ = input
 transpose = transpose(l_q_, 1, 2)
 transpose_1 = transpose(l_k_, 1, 2)

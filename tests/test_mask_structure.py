@@ -59,6 +59,9 @@ CASES = {
                               "True, None"),
     "additive where of -inf": (lambda q, pad: torch.where(hf_mask(pad, window=4), torch.zeros(()), float("-inf")),
                                "True, None, window_left=3, key_padding_mask=l_data_0_"),
+    "additive where of torch.tensor(0.0), as transformers 5.17 writes it": (  # -inf: the left-padded rows match
+        lambda q, pad: torch.where(hf_mask(pad), torch.tensor(0.0), float("-inf")),
+        "True, None, key_padding_mask=l_data_0_"),
     "band via abs-free comparisons": (
         lambda q, pad: (lambda i, j: (j - i <= 2) & (i - j <= 2))(torch.arange(24)[:, None], torch.arange(24)),
         "False, None, window_left=2, window_right=2"),
@@ -70,8 +73,8 @@ class TestStructuredMasks(TestCase):
         graph, sites = rewrite(attend(lambda q, pad: hf_mask(pad)), *_inputs())
         self.assertExpectedInline(graph, """\
 l_data_0_ = input
-l_q_ = input
 l_k_ = input
+l_q_ = input
 l_v_ = input
 attention_default = attn_cp.attention.default(l_q_, l_k_, l_v_, None, True, None, key_padding_mask=l_data_0_)
 getitem_4 = getitem(attention_default, 0)
@@ -179,9 +182,9 @@ class TestDocumentMasks(TestCase):
         q, k, v, _ = _inputs()
         graph, sites = rewrite(packed_causal, q, k, v, _document_ids())
         self.assertExpectedInline(graph, """\
-l_q_ = input
 l_ids_ = input
 l_k_ = input
+l_q_ = input
 l_v_ = input
 attention_default = attn_cp.attention.default(l_q_, l_k_, l_v_, None, True, None, document_ids=l_ids_)
 getitem_4 = getitem(attention_default, 0)

@@ -90,8 +90,8 @@ class TestRewritten(TestCase):
         graph, sites = rewrite(hf_eager, *_qkv(), _padding_mask())
         self.assertExpectedInline(graph, """\
 l_k_ = input
-l_q_ = input
 l_mask_ = input
+l_q_ = input
 l_v_ = input
 attention_default = attn_cp.attention.default(l_q_, l_k_, l_v_, l_mask_, False, 0.25)
 getitem = getitem(attention_default, 0)
@@ -104,8 +104,9 @@ return (getitem)""")
         graph, sites = rewrite(model, *_qkv())
         self.assertIn("logical_not = logical_not(eq)", graph)
         self.assertIn("attn_cp.attention.default(l_q_, l_k_, l_v_, logical_not, False, 0.25)", graph)
-        self.assertEqual(sites[0].notes[1], "mask kept: the mask compares data, 'l_self_buffers_bias_[0, 0, i, j] "
-                                            "!= 0': only key padding [b, j] is structured")
+        self.assertEqual(sites[0].notes[1:3], ["a query that sees no key gets 0, where the code as written gives NaN",
+                                               "mask kept: the mask compares data, 'l_self_buffers_bias_[0, 0, i, j] "
+                                               "!= 0': only key padding [b, j] is structured"])
         assert_matches_eager(model, *_qkv())
 
     def test_nanogpt_with_an_index_built_mask_becomes_causal(self):
@@ -138,6 +139,15 @@ return (getitem)""")
         graph, _ = rewrite(gpt2_legacy, *_qkv(), causal)
         self.assertIn("attn_cp.attention.default(l_q_, l_k_, l_v_, l_causal_, False, 0.25)", graph)
         assert_matches_eager(gpt2_legacy, *_qkv(), causal)
+
+    def test_a_fill_that_gives_rows_without_keys_another_value_is_noted(self):
+        """The op gives a query that sees no key 0; the code as written gives it the mean of v (a
+        dtype's minimum) or NaN (-inf)."""
+        hidden_row = torch.ones(24, 24, dtype=torch.bool).tril()
+        hidden_row[3] = False
+        _, sites = rewrite(gpt2_legacy, *_qkv(), hidden_row)
+        self.assertEqual(sites[0].notes[1], "a query that sees no key gets 0, where the code as written gives the "
+                                            "mean of v, as filling with -3.403e+38 does")
 
 
 def softmax_over_queries(q, k, v):
@@ -198,6 +208,14 @@ class TestLeft(TestCase):
                 self.assertEqual(sites[0].shapes["q"], (2, 4, 24, 16))
                 self.assertIn("softmax", graph)
                 self.assertNotIn("attn_cp", graph)
+
+    def test_softmax_narrower_than_q(self):
+        def softmax_in_float32(q, k, v):
+            return F.softmax(q @ k.transpose(-2, -1) * 0.25, dim=-1, dtype=torch.float32).double() @ v
+
+        _, sites = rewrite(softmax_in_float32, *(x.double() for x in _qkv(requires_grad=False)))
+        self.assertEqual([(s.rewritten, s.reason) for s in sites],
+                         [(False, "the softmax runs in torch.float32, narrower than q's torch.float64")])
 
     def test_scale_from_a_dynamic_head_dim(self):
         sites = []

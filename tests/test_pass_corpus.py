@@ -137,6 +137,49 @@ def copy_of_q_edited_at_its_source(q, k, v):
     return F.scaled_dot_product_attention(q, k, v)
 
 
+def copy_of_q_edited(q, k, v):
+    """The op must read the edited copy, not its source."""
+    q = q.transpose(1, 2).contiguous().transpose(1, 2).contiguous()
+    q.mul_(2.0)
+    return F.scaled_dot_product_attention(q, k, v)
+
+
+def repeated_k_edited(q, k, v):
+    """The op must read the edited repeat, not the un-repeated k."""
+    k2, v2 = (x.repeat_interleave(2, dim=1) for x in (k, v))
+    k2.mul_(3.0)
+    return F.scaled_dot_product_attention(q, k2, v2)
+
+
+def hf_repeated_k_edited(q, k, v):
+    b, h, s, d = k.shape
+    k2, v2 = (x[:, :, None].expand(b, h, 2, s, d).reshape(b, 2 * h, s, d) for x in (k, v))
+    k2[:, 0] = 0.0
+    return F.scaled_dot_product_attention(q, k2, v2)
+
+
+def positions_through_a_wrapping_index(q, k, v):
+    """pos[pos - 1] reads pos[-1] = S - 1 at row 0: the mask is causal only from row 1 on."""
+    pos = torch.arange(q.shape[2])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=pos[None, :] <= pos[pos - 1][:, None] + 1)
+
+
+def uint8_differences(q, k, v):
+    """i - j wraps in uint8: every difference is >= 0, so every key is visible."""
+    i = torch.arange(q.shape[2], dtype=torch.uint8)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(i[:, None] - i[None, :]) >= 0)
+
+
+def int8_positions_that_wrap(q, k, v):
+    """Positions from 120 pass 127 and wrap to -128 in int8."""
+    pos = torch.arange(q.shape[2], dtype=torch.int8) + 120
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=pos[None, :] <= pos[:, None])
+
+
+def softmax_narrower_than_q(q, k, v):
+    return F.softmax(q @ k.mT * SCALE, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
 def k_in_float64(q, k, v):
     return (q.double() @ k.mT * SCALE).softmax(-1).float() @ v
 
@@ -225,6 +268,13 @@ CORPUS = {
                                               lambda: [*_qkv(), torch.rand(B, S) < 0.8]),
     "repeated k edited through a view": Case(repeated_kv_edited_through_a_view, 1, lambda: _qkv(h_kv=H // 2)),
     "copy of q edited at its source": Case(copy_of_q_edited_at_its_source, 1),
+    "copy of q edited": Case(copy_of_q_edited, 1),
+    "repeated k edited": Case(repeated_k_edited, 1, lambda: _qkv(h_kv=H // 2)),
+    "HF-repeated k edited": Case(hf_repeated_k_edited, 1, lambda: _qkv(h_kv=H // 2)),
+    "positions through a wrapping index": Case(positions_through_a_wrapping_index, 1),
+    "uint8 differences": Case(uint8_differences, 1),
+    "int8 positions that wrap": Case(int8_positions_that_wrap, 1),
+    "softmax narrower than q": Case(softmax_narrower_than_q, 0, lambda: _qkv(torch.float64)),
     "q float32, k float64": Case(k_in_float64, 0, lambda: _qkv(k_dtype=torch.float64)),
     "half, upcast to float32": Case(upcast_from_half, 1, _half),
     # eager rounds the scores and the probabilities to half, the op does not: 4x half's unit roundoff

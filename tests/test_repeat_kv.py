@@ -45,8 +45,8 @@ class TestRepeatKv(TestCase):
     def test_hf_repeat_kv_is_removed(self):
         graph, sites = rewrite(attention_with(hf_repeat_kv), *_qkv())
         self.assertExpectedInline(graph, """\
-l_q_ = input
 l_k_ = input
+l_q_ = input
 l_v_ = input
 attention_default = attn_cp.attention.default(l_q_, l_k_, l_v_, None, True, None)
 getitem_2 = getitem(attention_default, 0)

@@ -24,10 +24,10 @@ class TestSdpaCallForms(TestCase):
         mask = torch.rand(16, 16) > 0.2
         graph, _ = self.rewrite(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, m, 0.0, False), q, k, v, mask)
         self.assertExpectedInline(graph, """\
-l_q_ = input
 l_k_ = input
-l_v_ = input
 l_m_ = input
+l_q_ = input
+l_v_ = input
 attention_default = attn_cp.attention.default(l_q_, l_k_, l_v_, l_m_, False, None)
 getitem = getitem(attention_default, 0)
 return (getitem)""")
@@ -38,8 +38,8 @@ return (getitem)""")
 
         graph, _ = self.rewrite(fn, *_qkv())
         self.assertExpectedInline(graph, """\
-l_q_ = input
 l_k_ = input
+l_q_ = input
 l_v_ = input
 attention_default = attn_cp.attention.default(l_q_, l_k_, l_v_, None, True, 0.25)
 getitem = getitem(attention_default, 0)
@@ -51,10 +51,10 @@ return (getitem)""")
         graph, _ = self.rewrite(
             lambda q, k, v, b: F.scaled_dot_product_attention(q, k, v, attn_mask=b, enable_gqa=True), q, k, v, bias)
         self.assertExpectedInline(graph, """\
-l_q_ = input
-l_k_ = input
-l_v_ = input
 l_b_ = input
+l_k_ = input
+l_q_ = input
+l_v_ = input
 attention_default = attn_cp.attention.default(l_q_, l_k_, l_v_, l_b_, False, None)
 getitem = getitem(attention_default, 0)
 return (getitem)""")
@@ -66,8 +66,8 @@ return (getitem)""")
 
         graph, _ = self.rewrite(fn, *_qkv())
         self.assertExpectedInline(graph, """\
-l_q_ = input
 l_k_ = input
+l_q_ = input
 l_v_ = input
 attention_default = attn_cp.attention.default(l_q_, l_k_, l_v_, None, True, None)
 getitem = getitem(attention_default, 0)
@@ -84,8 +84,8 @@ return (sum_1)""")
         with self.assertLogs("attn_compile", level=logging.INFO) as logs:
             graphs, sites, _ = rewritten_graphs(fn, q, k, v)
         self.assertExpectedInline(normalized(graphs[0]), """\
-l_q_ = input
 l_k_ = input
+l_q_ = input
 l_v_ = input
 attention_default = attn_cp.attention.default(l_q_, l_k_, l_v_, None, False, None)
 getitem = getitem(attention_default, 0)

@@ -43,7 +43,7 @@ def allgather_backward(dout, q, k, v, out, lse, k_all, v_all, group, scale, is_c
     dk_all, dv_all = k_all.new_zeros(k_all.shape, dtype=lse.dtype), v_all.new_zeros(v_all.shape, dtype=lse.dtype)
     attend_tiles_backward(dout, q, k_all, v_all, out, lse, _tiles(group, sharding, is_causal, window), scale, dq,
                           dk_all, dv_all)
-    dk, dv = (reduce_scatter_stacked(torch.stack(sharding.split(g, dim=2)), group)[:, :, :k.shape[2]]
+    dk, dv = (reduce_scatter_stacked(sharding.split(g, dim=2), group)[:, :, :k.shape[2]]
               .to(k.dtype).contiguous() for g in (dk_all, dv_all))
     return dq.to(q.dtype), dk, dv
 

@@ -2,9 +2,12 @@
 
 Every strategy runs through one composite op, ``attn_cp::context_parallel_attention(q, k, v,
 strategy, group_names, scale, is_causal, layout, recompute_kv, window_left, window_right,
-cu_seqlens, max_seqlen)``, so a compiled graph names the chosen strategy as an argument;
-tracing decomposes it into that strategy's own op.
+cu_seqlens, max_seqlen)``, so a compiled graph names the strategy as an argument; tracing
+decomposes it into that strategy's own op. "auto" is resolved there, by the cost model, outside
+dynamo's trace (where the model's Python would break the graph).
 """
+import dataclasses
+
 import torch
 
 from attn_compile import cost_model
@@ -25,7 +28,11 @@ def _run_strategy(q, k, v, strategy, group_names, scale, is_causal, layout, reco
     ops = torch.ops.attn_cp
     masking = (window_left, window_right)
     documents = (cu_seqlens, max_seqlen)
-    sizes = [group.size() for group in resolve(group_names)]
+    groups = resolve(group_names)
+    sizes = [group.size() for group in groups]
+    if strategy == "auto":
+        strategy = choose_strategy(q, k, v, groups, is_causal=is_causal, window=masking, layout=layout,
+                                   cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
     if strategy == "ring":
         return ops.ring_attention(q, k, v, group_names[0], scale, is_causal, layout, *masking, *documents)
     if strategy == "allgather":
@@ -79,12 +86,10 @@ def context_parallel_attention(q, k, v, *, group, strategy="auto", is_causal=Fal
     window = window_pair(window)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}; got {strategy!r}")
-    if strategy == "auto":
-        strategy = choose_strategy(q, k, v, groups, is_causal=is_causal, window=window, layout=layout)
     if strategy == "hybrid" and len(groups) != 2:
         raise ValueError("strategy='hybrid' needs group to be a 2-D DeviceMesh (outer ring dim, inner Ulysses dim); "
                          "got a 1-D group")
-    if strategy != "hybrid" and len(groups) != 1:
+    if strategy not in ("hybrid", "auto") and len(groups) != 1:
         raise ValueError(f"strategy={strategy!r} needs group to be a ProcessGroup or a 1-D DeviceMesh; "
                          f"got a 2-D DeviceMesh (use strategy='hybrid')")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
@@ -97,8 +102,15 @@ def context_parallel_attention(q, k, v, *, group, strategy="auto", is_causal=Fal
     return (out, lse) if return_lse else out
 
 
-def choose_strategy(q, k, v, groups, *, is_causal: bool, window=(-1, -1), layout="zigzag") -> str:
-    """The cost model's fastest feasible strategy for these local shards on these groups."""
+def choose_strategy(q, k, v, groups, *, is_causal: bool, window=(-1, -1), layout="zigzag", cu_seqlens=None,
+                    max_seqlen=0) -> str:
+    """The cost model's fastest feasible strategy for these local shards on these groups, from
+    what every rank sees alike: packed documents, whose shards differ in length, are costed as
+    one batch entry per document of ``max_seqlen`` tokens. Symbolic sizes count at their traced
+    values, so the choice made when a graph is compiled stays with the graph."""
     problem = cost_model.Problem.of_shards(q, k, v, is_causal=is_causal, window=window, layout=layout,
                                            mesh_shape=[g.size() for g in groups])
+    if cu_seqlens is not None:
+        problem = dataclasses.replace(problem, batch=cost_model.traced_int(cu_seqlens.shape[0]) - 1,
+                                      s_local=max(1, -(-max_seqlen // problem.cp)))
     return cost_model.choose(problem)[0]

@@ -53,9 +53,9 @@ def sharding_of(q, groups, layout: str, cu_seqlens=None):
     return document_sharding(tuple(cu_seqlens.tolist()), cp_size(groups), layout)
 
 
-def _packed_sharding(q, groups, layout, cu_seqlens, values, max_seqlen):
+def _packed_sharding(q, k, v, groups, layout, cu_seqlens, values, max_seqlen):
     """(the DocumentSharding of the documents ``cu_seqlens`` (with these ``values``) describes, why
-    the packed shards q cannot be its shards or None): the sharding is None where the values are bad."""
+    the packed shards q, k, v cannot be its shards or None): the sharding is None where the values are bad."""
     try:
         check_cu_seqlens("cu_seqlens", cu_seqlens)
     except ValueError as error:
@@ -67,9 +67,11 @@ def _packed_sharding(q, groups, layout, cu_seqlens, values, max_seqlen):
         return None, error
     sharding = document_sharding(tuple(values), cp_size(groups), layout)
     expected = sharding.local_len(cp_rank(groups))
-    if q.shape[2] != expected:
-        return sharding, (f"q, k, v hold {q.shape[2]} tokens on rank {cp_rank(groups)}, but cu_seqlens gives this "
-                          f"rank {expected} (shard the batch with shard_varlen)")
+    held = {name: x.shape[2] for name, x in (("q", q), ("k", k), ("v", v))}
+    if set(held.values()) != {expected}:
+        holding = ("q, k, v hold {q}" if len(set(held.values())) == 1 else "q holds {q}, k {k}, v {v}").format(**held)
+        return sharding, (f"{holding} tokens on rank {cp_rank(groups)}, but cu_seqlens gives this rank {expected} "
+                          f"(shard the batch with shard_varlen)")
     return sharding, None
 
 
@@ -97,7 +99,7 @@ def check_call(q, k, v, groups, *, strategy: str, scale: float, is_causal: bool,
     if packed:  # the values are read once: on a GPU each read is a device sync
         values = cu_seqlens.tolist()
         options["cu_seqlens"] = f"{len(values) - 1} documents, crc {zlib.crc32(str(values).encode()):08x}"
-        sharding, options["problem"] = _packed_sharding(q, groups, layout, cu_seqlens, values, max_seqlen)
+        sharding, options["problem"] = _packed_sharding(q, k, v, groups, layout, cu_seqlens, values, max_seqlen)
     else:
         sharding = sharding_of(q, groups, layout)
     check_same_on_all_ranks(groups, q, k, v, packed, **options)

@@ -95,8 +95,8 @@ class DocumentSharding:
     def take(self, x: torch.Tensor, rank: int, dim: int) -> torch.Tensor:
         return x.index_select(dim, self._indices[rank].to(x.device))
 
-    def split(self, x: torch.Tensor, dim: int) -> list[torch.Tensor]:
-        return [self.pad(self.take(x, rank, dim), dim) for rank in range(self.cp)]
+    def split(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return torch.stack([self.pad(self.take(x, rank, dim), dim) for rank in range(self.cp)])
 
     def join(self, shards, dim: int) -> torch.Tensor:
         return torch.cat(list(shards), dim).index_select(dim, self._whole_rows.to(shards[0].device))

@@ -48,8 +48,9 @@ def to_head_shards(x, group, sharding):
 
 def to_sequence_shards(x, group, sharding):
     """to_head_shards undone."""
-    received = all_to_all_stacked(torch.stack(sharding.split(x, dim=2)), group)
-    return torch.cat(received.unbind(0), dim=1).narrow(2, 0, sharding.local_len(group.rank())).contiguous()
+    received = all_to_all_stacked(sharding.split(x, dim=2), group)
+    # (cp, B, H/cp, ...) -> (B, H, ...): a view, no copy, for B = 1
+    return received.movedim(0, 1).flatten(1, 2).narrow(2, 0, sharding.local_len(group.rank())).contiguous()
 
 
 def to_head_shards_of(q, k, v, group, sharding):
