@@ -7,6 +7,7 @@ from typing import Callable
 
 import pytest
 import torch
+from torch.torch_version import TorchVersion
 
 import attn_compile  # noqa: F401  (registers torch.ops.attn_cp)
 from oracle import rel_err
@@ -15,6 +16,9 @@ transformers = pytest.importorskip("transformers")
 
 SEQ, LAYERS, TOLERANCE = 22, 2, 1e-4
 ATTENTION = torch.ops.attn_cp.attention.default
+# torch 2.11 (the GPU machine's) cannot compile the backward of transformers' MoE fallback
+# (grouped_mm, a data-dependent guard), with aot_eager alone as with attn_cp
+MOE_TRAINS_COMPILED = TorchVersion(torch.__version__) >= (2, 13)
 
 
 @dataclasses.dataclass
@@ -26,6 +30,7 @@ class Case:
     no_key_rows_match: bool = True  # rows that see no key (left padding, causal): 0 in both, or eager averages
     inner: str = "aot_eager"  # for the forward; training always uses aot_eager (Inductor's CPU backward
     # compiles would take most of this file's time budget)
+    trains: bool = True  # compiled training is compared too
 
 
 def _decoder(model_type: str, attn="sdpa", **overrides):
@@ -75,7 +80,7 @@ CASES = {
                                  qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=6,  # MLA: d_qk 12, d_v 6
                                  moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
                                  topk_group=1, first_k_dense_replace=1),
-                        {"key_padding_mask": True}, is_causal=True),
+                        {"key_padding_mask": True}, is_causal=True, trains=MOE_TRAINS_COMPILED),
     "gpt2": Case(_gpt2, {"key_padding_mask": True}, is_causal=True, no_key_rows_match=False),
     "bert": Case(_bert, {"key_padding_mask": True}, is_causal=False),
     "vit": Case(_vit, {}, is_causal=False, inputs="image"),
@@ -164,14 +169,15 @@ def test_model(name, inner_graphs):
         for batch in batches:
             rows = _compared_rows(case, batch)
             assert rel_err(_output(compiled(**batch))[rows], _output(model(**batch))[rows]) <= TOLERANCE
-    model.train()
-    compiled = torch.compile(model, backend="attn_cp", options={"inner": "aot_eager"}, fullgraph=True)
-    params = [p for p in model.parameters() if p.requires_grad]
-    for batch in batches:
-        got = torch.autograd.grad(_loss(_output(compiled(**batch)), batch), params)
-        want = torch.autograd.grad(_loss(_output(model(**batch)), batch), params)
-        _assert_gradients_close(got, want)
-    assert len(inner_graphs) == 2  # eval and train; the second batch reused each
+    if case.trains:
+        model.train()
+        compiled = torch.compile(model, backend="attn_cp", options={"inner": "aot_eager"}, fullgraph=True)
+        params = [p for p in model.parameters() if p.requires_grad]
+        for batch in batches:
+            got = torch.autograd.grad(_loss(_output(compiled(**batch)), batch), params)
+            want = torch.autograd.grad(_loss(_output(model(**batch)), batch), params)
+            _assert_gradients_close(got, want)
+    assert len(inner_graphs) == 1 + case.trains  # eval and train; the second batch reused each
     seq = 17 if case.inputs == "image" else SEQ
     for gm in inner_graphs:
         _check_graph(gm, case, kv_heads, seq)
