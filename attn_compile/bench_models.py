@@ -7,7 +7,8 @@ stack uses a 1024-token sliding window (the window of ../shared/BASELINES.md). M
 of ``triton.testing.do_bench``:
 
 - attention: Hugging Face's own mask construction and SDPA integration (repeat_kv, the explicit
-  bool mask) on (B, H, S, D) q, k, v, forward and forward+backward;
+  bool mask) on (B, H, S, D) q, k, v laid out as the model's projections give them (transposed
+  (B, S, H, D) memory), forward and forward+backward;
 - step: the whole stack, forward and backward of a mean-square loss of its output.
 
 ``--tiny`` runs small one-layer shapes on the CPU with a wall-clock median instead: a smoke test. transformers
@@ -62,6 +63,13 @@ def _hf_attention(model) -> Callable:
     return attention
 
 
+def _as_projected(batch, heads, seq, head_dim, device, dtype):
+    """A leaf (B, H, S, D) tensor laid out as Hugging Face's attention gets q, k and v: a
+    (B, S, H * D) projection viewed as heads and transposed."""
+    x = torch.randn(batch, seq, heads, head_dim, device=device, dtype=dtype).transpose(1, 2)
+    return x.requires_grad_()
+
+
 def _timer(device) -> Callable[[Callable], float]:
     if device.type == "cuda":
         from triton.testing import do_bench
@@ -83,9 +91,7 @@ def _measure(compile_fn, model, dims: dict, seq: int, device, dtype, timer) -> d
     torch.manual_seed(0)
     heads, kv_heads = dims["num_attention_heads"], dims["num_key_value_heads"]
     head_dim = dims["hidden_size"] // heads
-    q = torch.randn(BATCH, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
-    k, v = (torch.randn(BATCH, kv_heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
-            for _ in range(2))
+    q, k, v = (_as_projected(BATCH, n, seq, head_dim, device, dtype) for n in (heads, kv_heads, kv_heads))
     padding = torch.ones(BATCH, seq, dtype=torch.long, device=device)
     padding[1, seq - seq // 8:] = 0
     ids = torch.randint(0, dims["vocab_size"], (BATCH, seq), device=device)
