@@ -3,6 +3,7 @@ the op's arguments as graph nodes and constants. Finders create it, refinements 
 and it is checked against the op's own argument rules before it is emitted, so a call the op would
 reject is left as it was."""
 import dataclasses
+import math
 import operator
 from typing import Optional
 
@@ -49,6 +50,17 @@ class Left:
     anchor: Node
     reason: str
     tensors: dict  # name -> node, for the site's shapes
+
+
+def eager_empty_row(hiding: Optional[float], how: str = "adding") -> str:
+    """What the code as written gives a query that sees no key, where it hides keys by ``how``
+    ``hiding``: softmax over -inf alone (or a bool mask, ``hiding`` None) is NaN; over one finite
+    value alone it weighs every key alike, the mean of v. The op gives such a query 0."""
+    return "NaN" if hiding in (None, -math.inf) else f"the mean of v ({how} {hiding:.4g})"
+
+
+def empty_row_note(hiding: Optional[float], how: str = "adding") -> str:
+    return f"a query that sees no key gets 0, where the code as written gives {eager_empty_row(hiding, how)}"
 
 
 def why_invalid(call: AttentionCall) -> Optional[str]:

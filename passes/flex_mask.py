@@ -27,7 +27,7 @@ import torch
 from torch.fx import Graph, Node
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from .call import AttentionCall
+from .call import AttentionCall, eager_empty_row
 from .index_formula import (B, H, I, J, Affine, And, Compare, Eq, Gather, Le, Number, Or, all_of, axes_of, evaluate,
                             gathers_of, substitute)
 from .mask_trace import Unsupported
@@ -130,8 +130,8 @@ def _why_not(call: AttentionCall, formula, hiding, data: list) -> Optional[str]:
                     "cannot fuse the operations that read it)")
     eager_gives_zero = call.anchor.target is SDPA and hiding in (None, -torch.inf)
     if not eager_gives_zero and not _sees_a_key(formula, q.shape[2], k.shape[2]):
-        return ("a query may see no key: flex_attention gives it 0, eager "
-                + ("softmax NaN" if hiding is None else f"the mean of v (adding {hiding:.4g})"))
+        return f"a query may see no key: flex_attention gives it 0, where the code as written gives " \
+               f"{eager_empty_row(hiding)}"
     return None
 
 

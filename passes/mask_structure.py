@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 from torch.fx import Node
 
-from .call import AttentionCall
+from .call import AttentionCall, empty_row_note
 from .flex_mask import to_flex
 from .index_formula import B, HARD_NEGATIVES, I, J, Affine, Compare, Eq, Gather, Le, Number, Select, conjuncts, negate
 from .mask_proof import prove
@@ -187,6 +187,6 @@ def infer_mask_structure(call: AttentionCall) -> AttentionCall:
     window = (-1 if structure.left is None else structure.left, -1 if right in (None, 0) else right)
     note = f"mask -> {structure}"
     if hiding not in (None, -math.inf):
-        note += f"; a query that sees no key gets 0, not the mean of v that adding {hiding:.4g} gives"
+        note += f"; {empty_row_note(hiding)}"
     return call.noted(note, attn_mask=None, is_causal=right == 0, window=window,
                       key_padding_mask=structure.key_padding, document_ids=structure.documents)

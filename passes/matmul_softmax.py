@@ -23,14 +23,13 @@ elsewhere (e.g. returned attention weights), masked_fill with another value, a s
 at run time, q, k or the mask modified in place before the value matmul (the op reads them there).
 """
 import dataclasses
-import math
 from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
-from .call import AttentionCall, Left
+from .call import AttentionCall, Left, empty_row_note
 from .index_formula import HARD_NEGATIVES
 from .nodes import argument, mutated_between, op_of
 from .shapes import example_tensor, example_value
@@ -227,6 +226,5 @@ def find(node: Node) -> Union[AttentionCall, Left, None]:
     mask = _negated(node, match.mask) if match.mask_hides else match.mask
     notes = ("hand-written softmax attention",)
     if match.fill is not None:  # the op takes the fill as a bool mask, and a bool mask gives such rows 0
-        eager = "NaN" if match.fill == -math.inf else f"the mean of v, as filling with {match.fill:.4g} does"
-        notes += (f"a query that sees no key gets 0, where the code as written gives {eager}",)
+        notes += (empty_row_note(match.fill, how="filling with"),)
     return AttentionCall(node, match.q, match.k, match.v, attn_mask=mask, scale=match.scale, notes=notes)

@@ -244,7 +244,8 @@ class TestDtypeMinimumMask(TestCase):
         q, k, v, pad = _inputs()
         _, sites = rewrite(attend(mask_fn), q, k, v, pad)
         self.assertEqual(sites[0].notes, ["mask -> causal + window_left=3 + key_padding_mask=l_data_0_; a query that "
-                                          "sees no key gets 0, not the mean of v that adding -3.403e+38 gives"])
+                                          "sees no key gets 0, where the code as written gives the mean of v "
+                                          "(adding -3.403e+38)"])
         got = torch.compile(attend(mask_fn), backend="attn_cp", options={"inner": "aot_eager"})(q, k, v, pad)
         want = attend(mask_fn)(q, k, v, pad)
         sees_a_key = hf_mask(pad, window=4).any(-1)[:, :, :, None].expand_as(got)

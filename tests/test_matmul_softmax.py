@@ -147,7 +147,7 @@ return (getitem)""")
         hidden_row[3] = False
         _, sites = rewrite(gpt2_legacy, *_qkv(), hidden_row)
         self.assertEqual(sites[0].notes[1], "a query that sees no key gets 0, where the code as written gives the "
-                                            "mean of v, as filling with -3.403e+38 does")
+                                            "mean of v (filling with -3.403e+38)")
 
 
 def softmax_over_queries(q, k, v):
