@@ -21,7 +21,7 @@ from .tiles import attend_tiles, attend_tiles_backward, plan_tiles
 
 
 def _gather_sequence(x, group, sharding):
-    return sharding.join(all_gather_stacked(sharding.pad(x, 2), (group,)).unbind(0), dim=2)
+    return sharding.join(all_gather_stacked(sharding.pad(x, 2), (group,)), dim=2)
 
 
 def _tiles(group, sharding, is_causal, window):

@@ -79,12 +79,23 @@ class DocumentSharding:
                 for _, ranges in self._ranks]
 
     @functools.cached_property
-    def _whole_rows(self) -> torch.Tensor:
-        """For each row of the batch, its row in the rank-major concatenation of the padded shards."""
-        rows = torch.empty(self.cu_seqlens[-1], dtype=torch.long)
+    def _slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """For each row of the batch, the rank that holds it and its row in that rank's shard."""
+        ranks, rows = (torch.empty(self.cu_seqlens[-1], dtype=torch.long) for _ in range(2))
         for rank, index in enumerate(self._indices):
-            rows[index] = rank * self.shard_len + torch.arange(len(index))
-        return rows
+            ranks[index], rows[index] = rank, torch.arange(len(index))
+        return ranks, rows
+
+    @functools.cached_property
+    def _padding_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rank, row) of each row that pads a shard to ``shard_len``."""
+        slots = [(rank, row) for rank in range(self.cp) for row in range(self.local_len(rank), self.shard_len)]
+        return tuple(torch.tensor([slot[i] for slot in slots], dtype=torch.long) for i in range(2))
+
+    @staticmethod
+    def _at(stacked: torch.Tensor, dim: int, slots) -> tuple:
+        """The index into ``stacked.movedim(0, dim)`` (rank next to row) of the given (rank, row) slots."""
+        return (slice(None),) * dim + tuple(index.to(stacked.device) for index in slots)
 
     def pad(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         missing = self.shard_len - x.shape[dim]
@@ -96,10 +107,16 @@ class DocumentSharding:
         return x.index_select(dim, self._indices[rank].to(x.device))
 
     def split(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        return torch.stack([self.pad(self.take(x, rank, dim), dim) for rank in range(self.cp)])
+        """Every rank's shard padded with zeros to ``shard_len``, stacked in rank order, written in one pass."""
+        shards = x.new_empty((self.cp, *x.shape[:dim], self.shard_len, *x.shape[dim + 1:]))
+        by_rank = shards.movedim(0, dim)
+        by_rank[self._at(shards, dim, self._slots)] = x
+        by_rank[self._at(shards, dim, self._padding_slots)] = 0
+        return shards
 
-    def join(self, shards, dim: int) -> torch.Tensor:
-        return torch.cat(list(shards), dim).index_select(dim, self._whole_rows.to(shards[0].device))
+    def join(self, shards: torch.Tensor, dim: int) -> torch.Tensor:
+        """The whole batch from the stacked padded shards (``split`` undone), gathered in one pass."""
+        return shards.movedim(0, dim)[self._at(shards, dim, self._slots)]
 
 
 @functools.lru_cache(maxsize=64)
@@ -170,4 +187,4 @@ def unshard_varlen(x_local: torch.Tensor, cu_seqlens: torch.Tensor, group, layou
     if x_local.shape[0] != expected:
         raise ValueError(f"x_local.shape[0] must be this rank's token count from cu_seqlens (shard_varlen's output), "
                          f"{expected}; got {x_local.shape[0]}")
-    return sharding.join(all_gather_stacked(sharding.pad(x_local, 0), groups).unbind(0), 0)
+    return sharding.join(all_gather_stacked(sharding.pad(x_local, 0), groups), 0)

@@ -77,8 +77,9 @@ class SequenceSharding:
     def split(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         return split_sequence(x, self.cp, self.layout, dim)
 
-    def join(self, shards, dim: int) -> torch.Tensor:
-        return join_shards(shards, self.layout, dim)
+    def join(self, shards: torch.Tensor, dim: int) -> torch.Tensor:
+        """The whole sequence from the stacked shards (``split`` undone)."""
+        return join_shards(shards.unbind(0), self.layout, dim)
 
 
 def take_shard(x: torch.Tensor, rank: int, cp: int, layout: str, dim: int) -> torch.Tensor:

@@ -43,7 +43,7 @@ def to_head_shards(x, group, sharding):
     in position order (for the hybrid, the inner group's part of it)."""
     cp = group.size()
     received = all_to_all_stacked(sharding.pad(x, 2).unflatten(1, (cp, -1)).movedim(1, 0), group)
-    return sharding.join(received.unbind(0), dim=2)
+    return sharding.join(received, dim=2)
 
 
 def to_sequence_shards(x, group, sharding):
