@@ -30,12 +30,12 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from .call import AttentionCall, eager_empty_row
 from .index_formula import (B, H, I, J, Affine, And, Compare, Eq, Gather, Le, Number, Or, all_of, axes_of, evaluate,
                             gathers_of, substitute)
+from .layouts import transposed_away
 from .mask_trace import Unsupported
-from .nodes import is_mutated, op_of
+from .nodes import is_mutated
 from .sdpa import SDPA
 from .shapes import example_tensor, hinted_shape, known_equal
 
-_COPIES_AFTER_TRANSPOSE = ("reshape", "contiguous", "flatten")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +125,7 @@ def _why_not(call: AttentionCall, formula, hiding, data: list) -> Optional[str]:
     if q.device.type == "cpu":
         if any(t.requires_grad for t in (q, k, v)):
             return "flex_attention has no backward on CPU"
-        if not _transposed_away(call.anchor):
+        if not transposed_away(call.anchor):
             return ("on CPU the result must first be transposed and copied (Inductor's CPU flex_attention "
                     "cannot fuse the operations that read it)")
     eager_gives_zero = call.anchor.target is SDPA and hiding in (None, -torch.inf)
@@ -133,17 +133,6 @@ def _why_not(call: AttentionCall, formula, hiding, data: list) -> Optional[str]:
         return f"a query may see no key: flex_attention gives it 0, where the code as written gives " \
                f"{eager_empty_row(hiding)}"
     return None
-
-
-def _transposed_away(anchor: Node) -> bool:
-    """Every use of the result is ``.transpose(1, 2)`` (or a permute moving the heads) followed by a copy."""
-    def moves_heads(user):
-        if op_of(user) == "transpose":
-            return {a % 4 for a in user.args[1:3] if isinstance(a, int)} == {1, 2}
-        return op_of(user) == "permute" and tuple(user.args[1:]) in ((0, 2, 1, 3), ((0, 2, 1, 3),))
-
-    return all(moves_heads(u) and u.users and all(op_of(c) in _COPIES_AFTER_TRANSPOSE for c in u.users)
-               for u in anchor.users)
 
 
 def to_flex(call: AttentionCall, formula, hiding, why_unstructured: Unsupported) -> AttentionCall:

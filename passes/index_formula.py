@@ -234,6 +234,8 @@ def negate(formula):
 
 
 def _may_be_nan(side) -> bool:
+    if isinstance(side, Number):
+        return isinstance(side.value, float) and math.isnan(side.value)
     return isinstance(side, Gather) and example_tensor(side.source).dtype.is_floating_point
 
 

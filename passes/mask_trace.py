@@ -20,7 +20,7 @@ from torch.fx import Node
 from .index_formula import (COMPARISONS, Affine, And, Compare, Division, Eq, Gather, Le, Not, Number, Or, Select,
                             all_of, any_of, negate, substitute)
 from .nodes import argument, is_mutated, op_of
-from .shapes import constant_int, example_tensor, known_equal
+from .shapes import constant_int, example_tensor, held, known_equal
 
 
 class Unsupported(Exception):
@@ -129,8 +129,21 @@ class MaskTracer:
             raise Unsupported(f"{arg} is not a constant")
         return Number(value)
 
-    def operands(self, node: Node, out: torch.Tensor, count: int = 2) -> list:
-        return [self.operand(a, tuple(out.shape)) for a in node.args[:count]]
+    def operands(self, node: Node, out: torch.Tensor, names=("input", "other")) -> list:
+        """The formulas of node's arguments ``names``, given by position or keyword."""
+        arguments = [argument(node, position, name) for position, name in enumerate(names)]
+        if any(a is None for a in arguments):
+            raise Unsupported(f"{node.name}: missing argument among {names}")
+        return [self.operand(a, tuple(out.shape)) for a in arguments]
+
+
+def exact(node: Node, value, dtype: torch.dtype):
+    """``value`` as a number of ``dtype``'s kind, where a tensor of ``dtype`` holds it exactly: the
+    formula holds the number as written, the tensor what the conversion made of it."""
+    stored = held(value, dtype)
+    if stored is None or stored != value:
+        raise Unsupported(f"{node.name}: {value!r} is not exact in {dtype}")
+    return stored
 
 
 # A symbolic size may grow up to the kernels' longest sequence (triton_tiles.MAX_SPAN) without a recompile.
@@ -183,9 +196,7 @@ def _constant(fill_position: int = -1, fill=None):
         value = fill if fill_position < 0 else argument(node, fill_position, "fill_value")
         if not isinstance(value, (bool, int, float)):
             raise Unsupported(f"{node.name}: fill value {value} is not a constant")
-        if out.dtype == torch.bool:
-            return Number(bool(value))
-        return Number(float(value) if out.dtype.is_floating_point else int(value))
+        return Number(exact(node, value, out.dtype))
     return handler
 
 
@@ -231,7 +242,7 @@ def _mul(tracer, node, out):
 
 
 def _neg(tracer, node, out):
-    (a,) = tracer.operands(node, out, 1)
+    (a,) = tracer.operands(node, out, ("input",))
     if isinstance(a, Affine):
         return -a
     raise Unsupported(f"{node.name}: negation of {a}")
@@ -251,6 +262,7 @@ def _division(op):
 def _compare(tracer, node, out):
     op = op_of(node)
     a, b = tracer.operands(node, out)
+    _check_compared_constants(tracer, node)
     if _is_integer(a) and _is_integer(b):
         diff = _as_affine(a) - _as_affine(b)
         atoms = {"le": Le(diff), "lt": Le(diff + 1), "ge": Le(-diff), "gt": Le(-diff + 1), "eq": Eq(diff),
@@ -265,6 +277,19 @@ def _compare(tracer, node, out):
     if isinstance(a, Select) or isinstance(b, Select):
         raise Unsupported(f"{node.name}: comparison of two where() values")
     return Compare(op, a, b)
+
+
+def _check_compared_constants(tracer, node):
+    """A Python number compared with a tensor is first converted to the tensor's dtype (to the
+    default float dtype for a float and an integer tensor): the formula compares the number as
+    written, so it must be exact there."""
+    sides = [argument(node, 0, "input"), argument(node, 1, "other")]
+    tensors = [tracer.trace(side).dtype for side in sides if isinstance(side, Node)]
+    for side in sides:
+        if isinstance(side, (bool, int, float)) and tensors:
+            if isinstance(side, float) and not tensors[0].is_floating_point:
+                raise Unsupported(f"{node.name}: a float compared with {tensors[0]} values")
+            exact(node, side, tensors[0])
 
 
 _MIRRORED = {"le": "ge", "lt": "gt", "ge": "le", "gt": "lt", "eq": "eq", "ne": "ne"}
@@ -282,33 +307,34 @@ def _compare_two_valued(value, op: str, constant):
 
 def _logic(tracer, node, out):
     op = op_of(node)
-    count = 1 if op == "not" else 2
-    if any(tracer.trace(a).dtype != torch.bool for a in node.args[:count] if isinstance(a, Node)):
+    names = ("input",) if op == "not" else ("input", "other")
+    if any(isinstance(a, Node) and tracer.trace(a).dtype != torch.bool
+           for a in (argument(node, position, name) for position, name in enumerate(names))):
         raise Unsupported(f"{node.name}: bitwise {op} of integers")
-    terms = tracer.operands(node, out, count)
+    terms = tracer.operands(node, out, names)
     if not all(_is_formula(t) for t in terms):
         raise Unsupported(f"{node.name}: {op} of non-boolean values")
     return negate(terms[0]) if op == "not" else all_of(terms) if op == "and" else any_of(terms)
 
 
 def _where(tracer, node, out):
-    cond, if_true, if_false = tracer.operands(node, out, 3)
+    cond, if_true, if_false = tracer.operands(node, out, ("condition", "input", "other"))
     if not (_is_formula(cond) and isinstance(if_true, Number) and isinstance(if_false, Number)):
         raise Unsupported(f"{node.name}: where() whose values are not two constants")
-    return Select(cond, if_true.value, if_false.value)
+    return Select(cond, exact(node, if_true.value, out.dtype), exact(node, if_false.value, out.dtype))
 
 
 def _masked_fill(tracer, node, out):
-    base, cond, value = tracer.operands(node, out, 3)
+    base, cond, value = tracer.operands(node, out, ("input", "mask", "value"))
     if not (isinstance(base, Number) and _is_formula(cond) and isinstance(value, Number)):
         raise Unsupported(f"{node.name}: masked_fill of a tensor that is not a constant")
-    return Select(cond, value.value, base.value)
+    return Select(cond, exact(node, value.value, out.dtype), base.value)
 
 
 def _triangle(keep: Callable[[int], Affine]):
     """tril/triu: keep where ``keep(diagonal) <= 0``, zero elsewhere."""
     def handler(tracer, node, out):
-        (base,) = tracer.operands(node, out, 1)
+        (base,) = tracer.operands(node, out, ("input",))
         diagonal = argument(node, 1, "diagonal", 0)
         if not isinstance(diagonal, int):
             raise Unsupported(f"{node.name}: diagonal {diagonal} is not a constant")
@@ -326,8 +352,7 @@ def _cast(tracer, node, out):
     if source.dtype == out.dtype:
         return source.expr
     if isinstance(source.expr, Number):
-        convert = bool if out.dtype == torch.bool else float if out.dtype.is_floating_point else int
-        return Number(convert(source.expr.value))
+        return Number(exact(node, source.expr.value, out.dtype))
     if _is_formula(source.expr) and out.dtype.is_floating_point:
         return Select(source.expr, 1.0, 0.0)
     raise Unsupported(f"{node.name}: cast from {source.dtype} to {out.dtype}")
@@ -344,6 +369,8 @@ def _expand(tracer, node, out):
 def _unit_axes_changed(tracer, node, out):
     """view/reshape/unsqueeze/squeeze that only insert or remove size-1 axes."""
     source = tracer.trace(node.args[0])
+    if source.dtype != out.dtype:
+        raise Unsupported(f"{node.name}: a view as {out.dtype} reads the bits of {source.dtype} values")
     kept_in = [p for p, s in enumerate(source.shape) if not _is_one(s)]
     kept_out = [p for p, s in enumerate(out.shape) if not _is_one(s)]
     if len(kept_in) != len(kept_out) or not all(

@@ -23,16 +23,17 @@ elsewhere (e.g. returned attention weights), masked_fill with another value, a s
 at run time, q, k or the mask modified in place before the value matmul (the op reads them there).
 """
 import dataclasses
+import math
 from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
-from .call import AttentionCall, Left, empty_row_note
+from .call import AttentionCall, Left, eager_empty_row, empty_row_note
 from .index_formula import HARD_NEGATIVES
 from .nodes import argument, mutated_between, op_of
-from .shapes import example_tensor, example_value
+from .shapes import example_tensor, example_value, held
 
 _CASTS = ("to", "type", "type_as", "float", "double", "half", "bfloat16")
 _UPCASTS = (None, torch.float32, torch.float64)
@@ -56,17 +57,20 @@ class _Match:
 
 
 def _constant(arg):
-    """A non-zero number, from Python or a 0-d ``torch.full((), c)``; RUNTIME for a symbolic one."""
-    if op_of(arg) == "full" and argument(arg, 0, "size") in ((), []):
-        arg = argument(arg, 1, "fill_value")
+    """A finite non-zero number, from Python or a 0-d ``torch.full((), c)`` (as its dtype holds c);
+    RUNTIME for a symbolic one."""
+    if op_of(arg) == "full" and argument(arg, 0, "size") in ((), []) and example_tensor(arg) is not None:
+        fill = argument(arg, 1, "fill_value")
+        arg = held(fill, example_tensor(arg).dtype) if isinstance(fill, (int, float)) else fill
     if isinstance(arg, Node) and isinstance(example_value(arg), (torch.SymFloat, torch.SymInt)):
         return RUNTIME
-    return float(arg) if isinstance(arg, (int, float)) and not isinstance(arg, bool) and arg != 0 else None
+    number = isinstance(arg, (int, float)) and not isinstance(arg, bool)
+    return float(arg) if number and arg != 0 and math.isfinite(arg) else None
 
 
 def _scaled(node) -> tuple:
     """``x * c``, ``c * x`` or ``x / c``: (x, factor), or (node, 1.0) when it is no scaling."""
-    if op_of(node) == "mul":
+    if op_of(node) == "mul" and len(node.args) == 2:
         for x, c in (node.args[:2], node.args[1::-1]):
             factor = _constant(c)
             if isinstance(x, Node) and factor is not None:
@@ -81,18 +85,19 @@ def _scaled(node) -> tuple:
 def _transposed(kt) -> Optional[Node]:
     """k from ``k.transpose(-2, -1)`` (any spelling of the last two axes), ``k.mT`` or ``k.permute(0, 1, 3, 2)``."""
     t = example_tensor(kt)
-    if t is None or t.dim() < 3:
+    if t is None or t.dim() < 3 or not isinstance(kt, Node):
         return None
+    source = argument(kt, 0, "input")
     if op_of(kt) == "mT":
-        return kt.args[0]
+        return source
     last_two = {t.dim() - 2, t.dim() - 1}
     if op_of(kt) == "transpose":
-        dims = {d % t.dim() for d in (argument(kt, 1, "dim0"), argument(kt, 2, "dim1"))}
-        return kt.args[0] if dims == last_two else None
+        dims = (argument(kt, 1, "dim0"), argument(kt, 2, "dim1"))
+        return source if all(isinstance(d, int) for d in dims) and {d % t.dim() for d in dims} == last_two else None
     if op_of(kt) == "permute":
         dims = kt.args[1] if len(kt.args) == 2 and isinstance(kt.args[1], (tuple, list)) else kt.args[1:]
         swapped = list(range(t.dim() - 2)) + [t.dim() - 1, t.dim() - 2]
-        return kt.args[0] if [d % t.dim() for d in dims] == swapped else None
+        return source if [d % t.dim() for d in dims] == swapped else None
     return None
 
 
@@ -101,11 +106,12 @@ def _scores(node) -> Optional[_Match]:
     product, scale = _scaled(node)
     if op_of(product) != "matmul":
         return None
-    k = _transposed(product.args[1])
-    if k is None:
+    k = _transposed(argument(product, 1, "other"))
+    q_scaled = argument(product, 0, "input")
+    if k is None or not isinstance(q_scaled, Node):
         return None
-    q, q_scale = _scaled(product.args[0])
-    first = product.args[0] if q is not product.args[0] else product
+    q, q_scale = _scaled(q_scaled)
+    first = q_scaled if q is not q_scaled else product
     if RUNTIME in (scale, q_scale):
         return _Match(q, k, chain=[product, node], first=first, reasons=[RUNTIME])
     return _Match(q, k, scale=scale * q_scale, chain=[product, node], first=first)
@@ -123,8 +129,9 @@ def _masked(node) -> Optional[_Match]:
                 match.mask, match.chain = mask, match.chain + [node]
                 return match
     if op in ("masked_fill", "where"):
-        scores, cond, fill = (node.args[0], node.args[1], argument(node, 2, "value")) if op == "masked_fill" else (
-            node.args[1], node.args[0], node.args[2])
+        scores, cond, fill = (
+            (argument(node, 0, "input"), argument(node, 1, "mask"), argument(node, 2, "value")) if op == "masked_fill"
+            else (argument(node, 1, "input"), argument(node, 0, "condition"), argument(node, 2, "other")))
         match = _scores(scores) if isinstance(scores, Node) else None
         if match is not None and example_tensor(cond) is not None:
             if fill not in HARD_NEGATIVES:
@@ -136,7 +143,7 @@ def _masked(node) -> Optional[_Match]:
 
 
 def _cast(node) -> Node:
-    return node.args[0] if op_of(node) in _CASTS else node
+    return argument(node, 0, "input") if op_of(node) in _CASTS else node
 
 
 def _upcast(node) -> Node:
@@ -144,11 +151,11 @@ def _upcast(node) -> Node:
     computes them in fp32 or better anyway. A downcast (``scores.half()``) stays, and so does the site."""
     if op_of(node) not in _CASTS:
         return node
-    source, out = example_tensor(node.args[0]), example_tensor(node)
+    source, out = example_tensor(argument(node, 0, "input")), example_tensor(node)
     if source is None or out is None:
         return node
     widens = out.dtype in _UPCASTS and out.dtype.itemsize >= source.dtype.itemsize
-    return node.args[0] if out.dtype == source.dtype or widens else node
+    return argument(node, 0, "input") if out.dtype == source.dtype or widens else node
 
 
 def _softmax_dtype(node: Node):
@@ -162,7 +169,7 @@ def _softmax(node) -> Optional[Node]:
     dim = argument(node, 1, "dim")
     if not isinstance(dim, int) or dim % t.dim() != t.dim() - 1 or _softmax_dtype(node) not in _UPCASTS:
         return None
-    return node.args[0]
+    return argument(node, 0, "input")
 
 
 def _active_dropout(node) -> Optional[str]:
@@ -174,13 +181,14 @@ def _active_dropout(node) -> Optional[str]:
 
 def _match(anchor: Node) -> Optional[_Match]:
     """The whole pattern, from ``probs @ v`` back."""
-    if op_of(anchor) != "matmul" or not isinstance(anchor.args[0], Node):
+    probs = argument(anchor, 0, "input")
+    if op_of(anchor) != "matmul" or not isinstance(probs, Node):
         return None
-    probs, chain, reasons = anchor.args[0], [], []
+    chain, reasons = [], []
     if op_of(probs) == "dropout":
         chain.append(probs)
         reasons += [r for r in [_active_dropout(probs)] if r]
-        probs = probs.args[0]
+        probs = argument(probs, 0, "input")
     for step in (_cast, _softmax, _upcast):
         if not isinstance(probs, Node):
             return None
@@ -191,7 +199,7 @@ def _match(anchor: Node) -> Optional[_Match]:
     match = _masked(probs) if isinstance(probs, Node) else None
     if match is None:
         return None
-    match.v = anchor.args[1]
+    match.v = argument(anchor, 1, "other")
     match.chain = list(dict.fromkeys(chain + match.chain))
     match.reasons = reasons + match.reasons
     return match
@@ -227,4 +235,6 @@ def find(node: Node) -> Union[AttentionCall, Left, None]:
     notes = ("hand-written softmax attention",)
     if match.fill is not None:  # the op takes the fill as a bool mask, and a bool mask gives such rows 0
         notes += (empty_row_note(match.fill, how="filling with"),)
+    elif match.mask is not None:  # an additive mask: the op gives a row of -inf scores 0, as SDPA does
+        notes += (f"a query whose every score is -inf gets 0, where the code as written gives {eager_empty_row(None)}",)
     return AttentionCall(node, match.q, match.k, match.v, attn_mask=mask, scale=match.scale, notes=notes)

@@ -75,8 +75,10 @@ _INPLACE_OPERATORS = (operator.setitem, operator.iadd, operator.isub, operator.i
                       operator.ixor, operator.ilshift, operator.irshift)
 
 
-def mutates(node: Node) -> bool:
-    """An in-place call: ``x.add_(y)``, ``torch.relu_(x)``, ``x[i] = y``, ``x &= y``."""
+def _edits_first_argument(node: Node) -> bool:
+    """``x.add_(y)``, ``torch.relu_(x)``, ``x[i] = y``, ``x &= y``, ``F.relu(x, inplace=True)``."""
+    if node.kwargs.get("inplace") is True:
+        return True
     if node.op == "call_method":
         return node.target.endswith("_") and not node.target.startswith("_")
     if node.op == "call_function":
@@ -85,6 +87,23 @@ def mutates(node: Node) -> bool:
         name = getattr(node.target, "__name__", "")
         return name.endswith("_") and getattr(node.target, "__module__", "") != "_operator"  # not operator.and_
     return False
+
+
+def written(node: Node) -> list:
+    """The nodes whose memory the call ``node`` writes: its first argument where it works in place,
+    and what it is given as ``out=``."""
+    if node.op not in ("call_method", "call_function"):
+        return []
+    out = node.kwargs.get("out")
+    targets = list(out) if isinstance(out, (tuple, list)) else [out]
+    first = argument(node, 0, "input")
+    if _edits_first_argument(node):
+        targets.append(first)
+    return [target for target in targets if isinstance(target, Node)]
+
+
+def mutates(node: Node) -> bool:
+    return bool(written(node))
 
 
 def _memory(node: Node):
@@ -102,8 +121,7 @@ def _memory(node: Node):
 def _mutations(node: Node) -> list:
     """The in-place calls, in graph order, on node's memory: on node or on anything that aliases it."""
     memory = _memory(node)
-    return [n for n in node.graph.nodes
-            if mutates(n) and n.args and isinstance(n.args[0], Node) and _memory(n.args[0]) == memory]
+    return [n for n in node.graph.nodes if any(_memory(target) == memory for target in written(n))]
 
 
 def is_mutated(node: Node) -> bool:

@@ -1,4 +1,5 @@
 """Traced tensor values of graph nodes, read without adding shape guards."""
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -61,3 +62,18 @@ def constant_int(value) -> Optional[int]:
     if isinstance(value, torch.SymInt) and value.node.expr.is_number:
         return int(value.node.expr)
     return None
+
+
+def held(value, dtype: torch.dtype):
+    """What a tensor of ``dtype`` holds when given the Python number ``value``: a float rounded to
+    the dtype, truncated toward zero for an integer dtype; an int wrapped; nonzero-ness for bool.
+    None where the conversion is not defined (a float out of an integer dtype's range)."""
+    source = torch.bool if isinstance(value, bool) else torch.int64 if isinstance(value, int) else torch.float64
+    try:
+        number = torch.tensor(value, dtype=source)
+    except (OverflowError, RuntimeError, ValueError):
+        return None
+    if source == torch.float64 and not dtype.is_floating_point and dtype != torch.bool and not (
+            math.isfinite(value) and torch.iinfo(dtype).min <= value <= torch.iinfo(dtype).max):
+        return None
+    return number.to(dtype).item()

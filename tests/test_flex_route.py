@@ -123,6 +123,17 @@ class TestNumerics(TestCase):
         got = torch.compile(attend(mask), backend="attn_cp", options={"inner": "aot_eager"})(q, k, v, score)
         self.assertLessEqual(rel_err(got, reference(mask, q, k, v, score)), TOL)
 
+    def test_a_negated_order_with_nan_keeps_every_key(self):
+        """~(j < nan) is True everywhere; j >= nan is False everywhere."""
+        def mask(s, ids):
+            i, j = _ij(s)
+            return ~(j < float("nan")) & (j <= i + 4)
+
+        q, k, v, ids = inputs()
+        torch._dynamo.reset()
+        got = torch.compile(attend(mask), backend="attn_cp", options={"inner": "aot_eager"})(q, k, v, ids)
+        self.assertLessEqual(rel_err(got, reference(mask, q, k, v, ids)), TOL)
+
     def test_inductor(self):
         for name in ("prefix-LM", "documents bidirectional, causal across"):
             with self.subTest(name):

@@ -8,7 +8,12 @@ from compiled import assert_matches_eager, rewrite
 
 def bshd_attention(q, k, v):
     q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).contiguous()
+
+
+def output_viewed(q, k, v):
+    q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True).view(q.shape[0], -1)
 
 
 def head_dim_strided(q, k, v):
@@ -30,9 +35,19 @@ transpose_2 = transpose(l_v_, 1, 2)
 attention_default = attn_cp.attention.default(transpose, transpose_1, transpose_2, None, True, None)
 getitem = getitem(attention_default, 0)
 transpose_3 = transpose(getitem, 1, 2)
-return (transpose_3)""")
+contiguous_3 = contiguous(transpose_3)
+return (contiguous_3)""")
         self.assertEqual(sites[0].notes, ["dropped .contiguous() of q, k, v"])
         assert_matches_eager(bshd_attention, q, k, v)
+
+    def test_copy_of_q_is_kept_where_the_output_strides_matter(self):
+        """The output takes q's memory order: without q's copy, ``.view`` of it would fail."""
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(2, 24, 4, 16, requires_grad=True) for _ in range(3))
+        graph, sites = rewrite(output_viewed, q, k, v)
+        self.assertIn("attn_cp.attention.default(q, transpose_1, transpose_2, None, True, None)", graph)
+        self.assertEqual(sites[0].notes, ["dropped .contiguous() of k, v"])
+        assert_matches_eager(output_viewed, q, k, v)
 
     def test_copy_of_a_tensor_strided_in_its_last_axis_is_kept(self):
         torch.manual_seed(0)

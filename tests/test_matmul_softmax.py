@@ -149,6 +149,20 @@ return (getitem)""")
         self.assertEqual(sites[0].notes[1], "a query that sees no key gets 0, where the code as written gives the "
                                             "mean of v (filling with -3.403e+38)")
 
+    def test_an_additive_mask_is_noted_for_rows_of_minus_inf(self):
+        """Softmax over a row of -inf scores is NaN as written; the op gives 0, as SDPA does."""
+        def additive(q, k, v, padding):
+            mask = torch.zeros(2, 1, 24, 24).masked_fill(~padding[:, None, None, :], float("-inf"))
+            return (q @ k.transpose(-2, -1) / 2.0 + mask).softmax(-1) @ v
+
+        padding = torch.ones(2, 24, dtype=torch.bool)
+        padding[1, 20:] = False
+        _, sites = rewrite(additive, *_qkv(), padding)
+        self.assertEqual(sites[0].notes, ["hand-written softmax attention",
+                                          "a query whose every score is -inf gets 0, where the code as written gives NaN",
+                                          "mask -> key_padding_mask=l_padding_"])
+        assert_matches_eager(additive, *_qkv(), padding)
+
 
 def softmax_over_queries(q, k, v):
     return (q @ k.transpose(-2, -1) * 0.25).softmax(dim=-2) @ v
@@ -208,6 +222,21 @@ class TestLeft(TestCase):
                 self.assertEqual(sites[0].shapes["q"], (2, 4, 24, 16))
                 self.assertIn("softmax", graph)
                 self.assertNotIn("attn_cp", graph)
+
+    def test_q_edited_in_place_between_the_matmuls(self):
+        """F.silu(q, inplace=True) edits q after the scores read it: the op would read the edited q."""
+        def silu_between(q, k, v):
+            scores = q @ k.transpose(-2, -1) * 0.25
+            F.silu(q, inplace=True)
+            return scores.softmax(-1) @ v
+
+        _, sites = rewrite(silu_between, *_qkv(requires_grad=False))
+        self.assertEqual([(s.rewritten, s.reason) for s in sites],
+                         [(False, "modified in place between the score and the value matmul: q")])
+        q, k, v = _qkv(requires_grad=False)
+        torch._dynamo.reset()
+        compiled = torch.compile(silu_between, backend="attn_cp", options={"inner": "aot_eager"})
+        torch.testing.assert_close(compiled(q.clone(), k, v), silu_between(q.clone(), k, v))
 
     def test_softmax_narrower_than_q(self):
         def softmax_in_float32(q, k, v):

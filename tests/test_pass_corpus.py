@@ -236,6 +236,91 @@ class LearnedBias(nn.Module):
         return (q @ k.mT * SCALE + self.bias).softmax(-1) @ v
 
 
+def _positions(q):
+    i = torch.arange(q.shape[2])
+    return i[:, None], i[None, :]
+
+
+def constant_converted_to_bool(q, k, v):
+    """masked_fill writes 5 into a bool tensor as True: the mask is causal plus the superdiagonal."""
+    i, j = _positions(q)
+    kept = torch.zeros(S, S, dtype=torch.bool).masked_fill(j == i + 1, 5)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(j <= i) | (kept == True))  # noqa: E712
+
+
+def constant_truncated_to_long(q, k, v):
+    """masked_fill writes 0.5 into a long tensor as 0: every key is visible."""
+    i, j = _positions(q)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.zeros(S, S, dtype=torch.long)
+                                          .masked_fill(j > i, 0.5) == 0)
+
+
+def constant_rounded_to_half(q, k, v):
+    """1e-8 in float16 is 0: every key is visible."""
+    i, j = _positions(q)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(j <= i) | (torch.full((S, S), 1e-8).half() == 0))
+
+
+def bits_viewed_as_int32(q, k, v):
+    """1.0's bits read as an int32 are 1065353216 > 1: causal plus the superdiagonal."""
+    i, j = _positions(q)
+    bits = torch.where(j == i + 1, 1.0, 0.0).view(torch.int32)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(j <= i) | (bits > 1))
+
+
+def scale_truncated_to_long(q, k, v):
+    """torch.full((), 2.5, dtype=torch.long) holds 2."""
+    return ((q @ k.mT) / torch.full((), 2.5, dtype=torch.long)).softmax(-1) @ v
+
+
+def scale_rounded_to_bfloat16(q, k, v):
+    """torch.full((), 0.3, dtype=torch.bfloat16) holds 0.30078125."""
+    return ((q @ k.mT) * torch.full((), 0.3, dtype=torch.bfloat16)).softmax(-1) @ v
+
+
+def padding_edited_through_out(q, k, v, padding, other):
+    """The mask is built from the key padding before ``out=`` edits the padding."""
+    mask = padding[:, None, None, :].expand(B, 1, S, S).clone()
+    torch.logical_and(padding, other, out=padding)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def copy_source_edited_by_inplace_relu(q, x, v):
+    x = x * 2  # not a leaf, which autograd would not let relu edit
+    k = x.transpose(1, 2).contiguous()
+    F.relu(x, inplace=True)
+    return F.scaled_dot_product_attention(q, k, v)
+
+
+def nan_in_a_negated_comparison(q, k, v):
+    """~(j < nan) is True everywhere; j >= nan would be False everywhere."""
+    _, j = _positions(q)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=~(j < float("nan")))
+
+
+def output_viewed_after_a_copy_of_q(q, k, v):
+    """SDPA of a contiguous q gives a contiguous output, which ``.view`` needs."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2).contiguous().transpose(1, 2).contiguous(), k, v)
+    return out.view(B, H, S * D)
+
+
+def keyword_spellings(q, k, v):
+    i, j = _positions(q)
+    scores = torch.matmul(input=q, other=k.transpose(dim0=-2, dim1=-1)).masked_fill(mask=j > i, value=NEG)
+    return torch.softmax(input=scores, dim=-1) @ v
+
+
+def _padding_and_other():
+    padding, other = (torch.rand(B, S) < 0.8 for _ in range(2))
+    padding[:, 0] = other[:, 0] = True
+    return [*_qkv(), padding, other]
+
+
+def _q_and_projection():
+    q, _, v = _qkv()
+    return [q, torch.randn(B, S, H, D), v]
+
+
 @dataclasses.dataclass
 class Case:
     model: Callable  # a function or an nn.Module
@@ -286,6 +371,17 @@ CORPUS = {
     "dropout 0.1, eval": Case(DropoutAttention().eval(), 1),
     "learned temperature": Case(LearnedTemperature(), 0),
     "learned bias": Case(LearnedBias(), 0),
+    "constant converted to bool": Case(constant_converted_to_bool, 1),
+    "constant truncated to long": Case(constant_truncated_to_long, 1),
+    "constant rounded to half": Case(constant_rounded_to_half, 1),
+    "bits viewed as int32": Case(bits_viewed_as_int32, 1),
+    "scale truncated to long": Case(scale_truncated_to_long, 1),
+    "scale rounded to bfloat16": Case(scale_rounded_to_bfloat16, 1),
+    "key padding edited through out=": Case(padding_edited_through_out, 1, _padding_and_other),
+    "copy's source edited by relu(inplace=True)": Case(copy_source_edited_by_inplace_relu, 1, _q_and_projection),
+    "nan in a negated comparison": Case(nan_in_a_negated_comparison, 1),
+    "output viewed after a copy of q": Case(output_viewed_after_a_copy_of_q, 1),
+    "keyword spellings": Case(keyword_spellings, 1),
 }
 
 
