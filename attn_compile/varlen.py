@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from .cp.api import context_parallel_attention, window_pair
+from .cp.checks import raise_on_every_rank
 from .cp.comm import cp_size, process_groups
 from .cp.documents import check_cu_seqlens, cu_seqlens_error
 from .kernels import varlen_backward as _kernel_backward
@@ -108,6 +109,16 @@ def _backward(ctx, dout, _dlse):
 _varlen_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _sharded_batch_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != 3:
+            return f"{name} must be 3-D (total_tokens, heads, dim); got shape {tuple(x.shape)}"
+    if cu_seqlens_k is not cu_seqlens_q or max_seqlen_k != max_seqlen_q:
+        return ("under context parallelism q, k and v are shards of one packed batch: pass the same cu_seqlens "
+                "tensor as cu_seqlens_q and cu_seqlens_k, and max_seqlen_q == max_seqlen_k")
+    return None
+
+
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                      is_causal: bool = False, scale: Optional[float] = None, window=None, group=None,
                      strategy: str = "auto", layout: str = "zigzag", return_lse: bool = False, debug: bool = False):
@@ -125,20 +136,16 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     ``cu_seqlens_k`` and describes the whole batch, and ``strategy`` is "ring", "allgather",
     "ulysses" or "auto".
     """
-    window = window_pair(window)
     scale = default_scale(q, scale)
     if group is None and strategy != "auto":
         raise ValueError(f"strategy={strategy!r} needs a group; without one varlen_attention runs locally")
     if group is None or cp_size(process_groups(group)) == 1:
         out, lse = _varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
-                              *window, debug)
+                              *window_pair(window), debug)
         return (out, lse) if return_lse else out
-    if cu_seqlens_k is not cu_seqlens_q or max_seqlen_k != max_seqlen_q:
-        raise ValueError("under context parallelism q, k and v are shards of one packed batch: pass the same "
-                         "cu_seqlens tensor as cu_seqlens_q and cu_seqlens_k, and max_seqlen_q == max_seqlen_k")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.dim() != 3:
-            raise ValueError(f"{name} must be 3-D (total_tokens, heads, dim); got shape {tuple(x.shape)}")
+    problem = _sharded_batch_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if problem:
+        raise_on_every_rank(process_groups(group), q, k, v, problem)
     out, lse = context_parallel_attention(
         *(unpacked(x, 1) for x in (q, k, v)), group=group, strategy=strategy, is_causal=is_causal,
         scale=scale, layout=layout, return_lse=True, window=window, cu_seqlens=cu_seqlens_q, max_seqlen=max_seqlen_q)

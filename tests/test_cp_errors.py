@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from attn_compile.cp.api import choose_strategy, context_parallel_attention as cpa
+from attn_compile import shard_varlen, varlen_attention
 from attn_compile.cp.layout import shard_sequence, unshard_sequence
 from dist_harness import run_distributed
 
@@ -25,7 +26,8 @@ def _qkv(h_q=4, h_kv=2, s=8, s_k=None, d=16):
 
 def _signature(rank, s, strategy):
     return (f"rank {rank}: q (1, 4, {s}, 16) torch.float32, k (1, 2, {s}, 16) torch.float32, v (1, 2, {s}, 16) "
-            f"torch.float32, strategy={strategy!r}, scale=0.25, is_causal=True, layout='zigzag', window=(-1, -1)")
+            f"torch.float32, strategy={strategy!r}, scale=0.25, is_causal=True, layout='zigzag', window=(-1, -1), "
+            "recompute_kv=False")
 
 
 def _check_errors(rank, world):
@@ -79,6 +81,38 @@ def _check_errors(rank, world):
 
 def test_bad_calls_raise_on_every_rank():
     run_distributed(_check_errors, 2)
+
+
+def _disagree(rank, message):
+    """Every rank raises: the bad one its own error or the listing of the ranks' calls."""
+    return pytest.raises(ValueError, match=f"^({re.escape(message)}|q, k, v and the options must be the same on every "
+                                           f"rank of the group; got rank 0: .*)$")
+
+
+def _check_calls_bad_on_one_rank(rank, world):
+    group = dist.group.WORLD
+    flat = "q must be 4-D (batch, heads, seq, dim); got shape (8, 16)"
+    for strategy in ("ring", "allgather", "ulysses", "auto"):
+        _raises(flat, cpa, torch.randn(8, 16), *_qkv()[1:], group=group, strategy=strategy)
+        with _disagree(rank, flat):
+            cpa(torch.randn(8, 16) if rank else _qkv()[0], *_qkv()[1:], group=group, strategy=strategy)
+    with _disagree(rank, "window must be None or (left, right), each an int >= 0 or -1 for unbounded; got (4,)"):
+        cpa(*_qkv(), group=group, window=(4,) if rank else (4, 0))
+    with _disagree(rank, "strategy must be one of ('ring', 'allgather', 'ulysses', 'hybrid', 'auto'); got 'p2p'"):
+        cpa(*_qkv(), group=group, strategy="p2p" if rank else "ring")
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32)
+    q, _ = shard_varlen(torch.randn(16, 4, 8), cu, group)
+    k, _ = shard_varlen(torch.randn(16, 2, 8), cu, group)
+    with _disagree(rank, f"q must be 3-D (total_tokens, heads, dim); got shape (1, {q.shape[0]}, 4, 8)"):
+        varlen_attention(q[None] if rank else q, k, k, cu, cu, 11, 11, group=group, is_causal=True)
+    with _disagree(rank, ""):  # which collectives the backward runs: a difference would hang it
+        cpa(*_qkv(), group=group, strategy="allgather", recompute_kv=rank == 1)
+    out = cpa(*_qkv(), group=group, strategy="allgather")  # the group still works after the errors
+    assert out.shape == (1, 4, 8, 16) and out.isfinite().all()
+
+
+def test_a_call_bad_on_one_rank_raises_on_every_rank():
+    run_distributed(_check_calls_bad_on_one_rank, 2)
 
 
 def _groups(*sizes):

@@ -61,7 +61,7 @@ def allgather_attention(q: Tensor, k: Tensor, v: Tensor, group_name: str, group_
                          "that only cu_seqlens's values give")
     window = (window_left, window_right)
     sharding = check_call(q, k, v, groups, strategy="allgather", scale=scale, is_causal=is_causal, layout=layout,
-                          window=window, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+                          window=window, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, recompute_kv=recompute_kv)
     out, lse, k_all, v_all = allgather_forward(q, k, v, group, scale, is_causal, window, sharding)
     return (out, lse, k.new_empty(0), v.new_empty(0)) if recompute_kv else (out, lse, k_all, v_all)
 

@@ -13,6 +13,7 @@ import torch
 from attn_compile import cost_model
 
 from . import allgather, hybrid, ring, ulysses  # noqa: F401  (register the attn_cp ops)
+from .checks import raise_on_every_rank
 from .comm import cp_size, process_groups, resolve
 
 STRATEGIES = (*cost_model.STRATEGIES, "auto")
@@ -56,13 +57,37 @@ def _run_strategy(q, k, v, strategy, group_names, scale, is_causal, layout, reco
 _library.impl("context_parallel_attention", _run_strategy, "CompositeImplicitAutograd")
 
 
+def window_problem(window):
+    """Why ``window`` is not None or a (left, right) pair of ints, or None."""
+    if window is None or isinstance(window, (tuple, list)) and len(window) == 2 and all(
+            isinstance(w, int) for w in window):
+        return None
+    return f"window must be None or (left, right), each an int >= 0 or -1 for unbounded; got {window!r}"
+
+
 def window_pair(window) -> tuple[int, int]:
     """``window`` as the ops take it: None means unbounded on both sides."""
-    if window is None:
-        return (-1, -1)
-    if not (isinstance(window, (tuple, list)) and len(window) == 2 and all(isinstance(w, int) for w in window)):
-        raise ValueError(f"window must be None or (left, right), each an int >= 0 or -1 for unbounded; got {window!r}")
-    return tuple(window)
+    if window_problem(window):
+        raise ValueError(window_problem(window))
+    return (-1, -1) if window is None else tuple(window)
+
+
+def _call_problem(q, k, v, groups, strategy, window):
+    """What is wrong with a call before its op is reached, or None."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != 4:
+            return f"{name} must be 4-D (batch, heads, seq, dim); got shape {tuple(x.shape)}"
+    if window_problem(window):
+        return window_problem(window)
+    if strategy not in STRATEGIES:
+        return f"strategy must be one of {STRATEGIES}; got {strategy!r}"
+    if strategy == "hybrid" and len(groups) != 2:
+        return ("strategy='hybrid' needs group to be a 2-D DeviceMesh (outer ring dim, inner Ulysses dim); got a 1-D "
+                "group")
+    if strategy not in ("hybrid", "auto") and len(groups) != 1:
+        return (f"strategy={strategy!r} needs group to be a ProcessGroup or a 1-D DeviceMesh; got a 2-D DeviceMesh "
+                f"(use strategy='hybrid')")
+    return None
 
 
 def context_parallel_attention(q, k, v, *, group, strategy="auto", is_causal=False, scale=None, layout="zigzag",
@@ -83,15 +108,10 @@ def context_parallel_attention(q, k, v, *, group, strategy="auto", is_causal=Fal
     documents as (1, H, T_local, D).
     """
     groups = process_groups(group)
+    problem = _call_problem(q, k, v, groups, strategy, window)
+    if problem:
+        raise_on_every_rank(groups, q, k, v, problem)
     window = window_pair(window)
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}; got {strategy!r}")
-    if strategy == "hybrid" and len(groups) != 2:
-        raise ValueError("strategy='hybrid' needs group to be a 2-D DeviceMesh (outer ring dim, inner Ulysses dim); "
-                         "got a 1-D group")
-    if strategy not in ("hybrid", "auto") and len(groups) != 1:
-        raise ValueError(f"strategy={strategy!r} needs group to be a ProcessGroup or a 1-D DeviceMesh; "
-                         f"got a 2-D DeviceMesh (use strategy='hybrid')")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if cp_size(groups) == 1 and cu_seqlens is None:
         out, lse = torch.ops.attn_cp.attention(q, k, v, None, is_causal, scale, *window)

@@ -46,6 +46,13 @@ def check_same_on_all_ranks(groups, q, k, v, packed=False, **options) -> None:
     raise ValueError(f"q, k, v and the options must be the same on every rank of the group; got {listing}")
 
 
+def raise_on_every_rank(groups, q, k, v, problem: str):
+    """Raises ValueError(problem) here, for a call that found it before reaching ``check_call``, and
+    on every other rank of the group too: they meet this call in check_call's agreement, which fails."""
+    check_same_on_all_ranks(groups, q, k, v, problem=problem)
+    raise ValueError(problem)
+
+
 def sharding_of(q, groups, layout: str, cu_seqlens=None):
     """Where the rows of q, k, v sit in the sequence: their ``SequenceSharding`` or ``DocumentSharding``."""
     if cu_seqlens is None:
@@ -57,9 +64,12 @@ def _packed_sharding(q, k, v, groups, layout, cu_seqlens, values, max_seqlen):
     """(the DocumentSharding of the documents ``cu_seqlens`` (with these ``values``) describes, why
     the packed shards q, k, v cannot be its shards or None): the sharding is None where the values are bad."""
     try:
+        check_layout(layout)
         check_cu_seqlens("cu_seqlens", cu_seqlens)
     except ValueError as error:
         return None, str(error)
+    if any(x.dim() != 4 for x in (q, k, v)):
+        return None, None  # check_inputs names it, after the ranks agree
     if q.shape[0] != 1:
         return None, f"packed documents come as one batch entry: q.shape[0] must be 1; got {q.shape[0]}"
     error = cu_seqlens_error("cu_seqlens", values, values[-1], "", max_seqlen, "max_seqlen")
@@ -92,19 +102,19 @@ def check_inputs(q, k, v, groups, *, layout: str, window, head_split: int = 1, s
 
 
 def check_call(q, k, v, groups, *, strategy: str, scale: float, is_causal: bool, layout: str, window=(-1, -1),
-               cu_seqlens=None, max_seqlen: int = 0, head_split: int = 1):
-    """Everything a context-parallel op checks before its first collective; returns ``sharding_of``."""
-    options = dict(strategy=strategy, scale=scale, is_causal=is_causal, layout=layout, window=tuple(window))
+               cu_seqlens=None, max_seqlen: int = 0, head_split: int = 1, recompute_kv: bool = False):
+    """Everything a context-parallel op checks before its first collective; returns ``sharding_of``.
+    The ranks agree first, so a check that fails fails on every rank."""
+    options = dict(strategy=strategy, scale=scale, is_causal=is_causal, layout=layout, window=tuple(window),
+                   recompute_kv=recompute_kv)  # recompute_kv decides the backward's collectives
     packed = cu_seqlens is not None
     if packed:  # the values are read once: on a GPU each read is a device sync
         values = cu_seqlens.tolist()
         options["cu_seqlens"] = f"{len(values) - 1} documents, crc {zlib.crc32(str(values).encode()):08x}"
         sharding, options["problem"] = _packed_sharding(q, k, v, groups, layout, cu_seqlens, values, max_seqlen)
-    else:
-        sharding = sharding_of(q, groups, layout)
     check_same_on_all_ranks(groups, q, k, v, packed, **options)
     if packed and options["problem"]:
         raise ValueError(options["problem"])
     check_inputs(q, k, v, groups, layout=layout, window=tuple(window), head_split=head_split, strategy=strategy,
                  packed=packed)
-    return sharding
+    return sharding if packed else sharding_of(q, groups, layout)
