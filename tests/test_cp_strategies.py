@@ -52,10 +52,14 @@ def _layout_of_seed(x, seed):
 def _check_all(rank, world, compiled):
     world_group = dist.group.WORLD
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses")) if world == 4 else None
-    causal_and_layout = (False, True), ("zigzag", "contiguous")
-    cases = list(itertools.product(STRATEGIES[world], HEADS, *causal_and_layout))
+    masks_and_layouts = list(itertools.product((False, True), ("zigzag", "contiguous")))
+    pairs = list(itertools.product(STRATEGIES[world], HEADS))
     if world == 4:
-        cases += itertools.product(("ulysses", "hybrid"), UNEVEN_KV, *causal_and_layout)
+        pairs += itertools.product(("ulysses", "hybrid"), UNEVEN_KV)
+    if compiled:  # each case compiles anew: every strategy and head shape, the masks and layouts in rotation
+        cases = [(s, h, *masks_and_layouts[(i + i // len(HEADS)) % 4]) for i, (s, h) in enumerate(pairs)]
+    else:
+        cases = [(s, h, *m) for s, h in pairs for m in masks_and_layouts]
     worst = 0.0
     for seed, (strategy, heads, is_causal, layout) in enumerate(cases):
         group = mesh if strategy == "hybrid" else world_group
