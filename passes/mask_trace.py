@@ -308,8 +308,8 @@ def _compare_two_valued(value, op: str, constant):
 def _logic(tracer, node, out):
     op = op_of(node)
     names = ("input",) if op == "not" else ("input", "other")
-    if any(isinstance(a, Node) and tracer.trace(a).dtype != torch.bool
-           for a in (argument(node, position, name) for position, name in enumerate(names))):
+    arguments = [argument(node, position, name) for position, name in enumerate(names)]
+    if any(isinstance(a, Node) and tracer.trace(a).dtype != torch.bool for a in arguments):
         raise Unsupported(f"{node.name}: bitwise {op} of integers")
     terms = tracer.operands(node, out, names)
     if not all(_is_formula(t) for t in terms):

@@ -59,9 +59,10 @@ class _Match:
 def _constant(arg):
     """A finite non-zero number, from Python or a 0-d ``torch.full((), c)`` (as its dtype holds c);
     RUNTIME for a symbolic one."""
-    if op_of(arg) == "full" and argument(arg, 0, "size") in ((), []) and example_tensor(arg) is not None:
+    full = example_tensor(arg) if op_of(arg) == "full" and argument(arg, 0, "size") in ((), []) else None
+    if full is not None:
         fill = argument(arg, 1, "fill_value")
-        arg = held(fill, example_tensor(arg).dtype) if isinstance(fill, (int, float)) else fill
+        arg = held(fill, full.dtype) if isinstance(fill, (int, float)) else fill
     if isinstance(arg, Node) and isinstance(example_value(arg), (torch.SymFloat, torch.SymInt)):
         return RUNTIME
     number = isinstance(arg, (int, float)) and not isinstance(arg, bool)
@@ -151,11 +152,12 @@ def _upcast(node) -> Node:
     computes them in fp32 or better anyway. A downcast (``scores.half()``) stays, and so does the site."""
     if op_of(node) not in _CASTS:
         return node
-    source, out = example_tensor(argument(node, 0, "input")), example_tensor(node)
+    cast_from = argument(node, 0, "input")
+    source, out = example_tensor(cast_from), example_tensor(node)
     if source is None or out is None:
         return node
     widens = out.dtype in _UPCASTS and out.dtype.itemsize >= source.dtype.itemsize
-    return argument(node, 0, "input") if out.dtype == source.dtype or widens else node
+    return cast_from if out.dtype == source.dtype or widens else node
 
 
 def _softmax_dtype(node: Node):

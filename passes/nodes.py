@@ -96,9 +96,8 @@ def written(node: Node) -> list:
         return []
     out = node.kwargs.get("out")
     targets = list(out) if isinstance(out, (tuple, list)) else [out]
-    first = argument(node, 0, "input")
     if _edits_first_argument(node):
-        targets.append(first)
+        targets.append(argument(node, 0, "input"))
     return [target for target in targets if isinstance(target, Node)]
 
 

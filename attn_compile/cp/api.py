@@ -67,8 +67,9 @@ def window_problem(window):
 
 def window_pair(window) -> tuple[int, int]:
     """``window`` as the ops take it: None means unbounded on both sides."""
-    if window_problem(window):
-        raise ValueError(window_problem(window))
+    problem = window_problem(window)
+    if problem:
+        raise ValueError(problem)
     return (-1, -1) if window is None else tuple(window)
 
 
@@ -77,8 +78,9 @@ def _call_problem(q, k, v, groups, strategy, window):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != 4:
             return f"{name} must be 4-D (batch, heads, seq, dim); got shape {tuple(x.shape)}"
-    if window_problem(window):
-        return window_problem(window)
+    problem = window_problem(window)
+    if problem:
+        return problem
     if strategy not in STRATEGIES:
         return f"strategy must be one of {STRATEGIES}; got {strategy!r}"
     if strategy == "hybrid" and len(groups) != 2:
