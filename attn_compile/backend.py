@@ -12,7 +12,7 @@ import torch
 from . import cost_model, inductor_cache
 from .cp.layout import LAYOUTS
 from .passes import PassFailure, rewrite_attention
-from .passes.placements import distribute_attention
+from .passes.placements import MaskNotDistributed, distribute_attention
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 DEFAULT_OPTIONS = {
@@ -83,8 +83,13 @@ def attn_cp(gm, example_inputs, *, mode=None, options=None):
         if not _may_compile_unchanged(opts):
             raise
         return _compile_unchanged(gm, example_inputs, opts, mode, f"the attention passes failed {failure}")
-    distribute_attention(candidate, sites, mesh=opts["mesh"], layout=opts["layout"], strategy=opts["strategy"],
-                         hardware=opts["hardware"])
+    try:
+        distribute_attention(candidate, sites, mesh=opts["mesh"], layout=opts["layout"], strategy=opts["strategy"],
+                             hardware=opts["hardware"])
+    except MaskNotDistributed as unsupported:
+        if not _may_compile_unchanged(opts):
+            raise
+        return _compile_unchanged(gm, example_inputs, opts, mode, str(unsupported))
     try:
         return _inner_compile(candidate, example_inputs, opts["inner"], mode)
     except Exception as error:  # e.g. Inductor's flex_attention lowering finding no kernel for a shape

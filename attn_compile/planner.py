@@ -8,11 +8,13 @@ Each mesh dim is read on its own:
 - all three ``Shard(2)`` (sequence): context parallelism over that dim; two such dims: hybrid;
 - q ``Shard(2)`` with k, v ``Replicate``: the local queries attend to all keys at their global offset;
   on one mesh dim, and none with context parallelism.
-Anything else raises a ValueError that names every placement and says how to fix it. The plan
+Shards must be even. Anything else raises a ValueError that names every placement and says how
+to fix it. The cost model sees the batch and heads of one context-parallel rank. The plan
 depends only on global shapes, placements and options, so every rank makes the same one.
 """
 import dataclasses
 import math
+from types import SimpleNamespace
 from typing import Optional
 
 from torch.distributed.tensor import Replicate, Shard
@@ -50,10 +52,8 @@ def _mesh_name(mesh) -> str:
     return f"mesh '{label}' (size {'x'.join(str(s) for s in mesh.shape)})"
 
 
-def _mismatch(q, k, v, mesh, fix: str) -> ValueError:
-    return ValueError(
-        f"q, k, v must be sharded the same way on batch and sequence dims; got q={_name(q.placements)}, "
-        f"k={_name(k.placements)}, v={_name(v.placements)} on {_mesh_name(mesh)}. {fix}")
+def _placements(q, k, v, mesh) -> str:
+    return f"q={_name(q.placements)}, k={_name(k.placements)}, v={_name(v.placements)} on {_mesh_name(mesh)}"
 
 
 def _kind(p) -> str:
@@ -72,15 +72,21 @@ def plan(q, k, v, *, is_causal: bool, window=(-1, -1), strategy: str = "auto",
     if k.device_mesh != mesh or v.device_mesh != mesh:
         raise ValueError(f"q, k, v must be on one device mesh; got q on {_mesh_name(mesh)}, k on "
                          f"{_mesh_name(k.device_mesh)}, v on {_mesh_name(v.device_mesh)}")
-    cp_dims, head_dims, fields = [], [], {}
+    cp_dims, head_dims, batch_dims, fields = [], [], [], {}
     for dim in range(mesh.ndim):
         kinds = tuple(_kind(t.placements[dim]) for t in (q, k, v))
+        if "other" in kinds:
+            raise ValueError(f"q, k, v placements must be Replicate or Shard on the batch (0), head (1) or sequence "
+                             f"(2) dim; got {_placements(q, k, v, mesh)}")
         if kinds[1] != kinds[2]:
-            raise _mismatch(q, k, v, mesh, f"Redistribute v to {_name([k.placements[dim]])} on mesh dim {dim}, "
-                                           f"or k to {_name([v.placements[dim]])}.")
+            raise ValueError(f"k and v must have the same placements; got {_placements(q, k, v, mesh)}. Redistribute "
+                             f"v to {_name([k.placements[dim]])} on mesh dim {dim}, or k to "
+                             f"{_name([v.placements[dim]])}.")
         if kinds == ("heads",) * 3:
             head_dims.append(dim)
-        elif kinds in (("replicate",) * 3, ("batch",) * 3):
+        elif kinds == ("batch",) * 3:
+            batch_dims.append(dim)
+        elif kinds == ("replicate",) * 3:
             continue
         elif kinds == ("seq",) * 3:
             cp_dims.append(dim)
@@ -88,14 +94,11 @@ def plan(q, k, v, *, is_causal: bool, window=(-1, -1), strategy: str = "auto",
             _set_q_only_split(fields, "q_seq_dim", dim, q, k, v, mesh)
         elif kinds == ("heads", "replicate", "replicate"):
             _set_q_only_split(fields, "kv_head_dim", dim, q, k, v, mesh)
-        elif "other" in kinds:
-            raise ValueError(f"q, k, v placements must be Replicate or Shard on the batch (0), head (1) or sequence "
-                             f"(2) dim; got q={_name(q.placements)}, k={_name(k.placements)}, "
-                             f"v={_name(v.placements)} on {_mesh_name(mesh)}")
         else:
-            target = _name([k.placements[dim]])
-            raise _mismatch(q, k, v, mesh, f"Redistribute q to {target} on mesh dim {dim}, or k and v to "
-                                           f"{_name([q.placements[dim]])}.")
+            raise ValueError(f"q, k, v must be sharded the same way on each mesh dim, except that q alone may split "
+                             f"the sequence or the heads against replicated k and v; got {_placements(q, k, v, mesh)}. "
+                             f"Redistribute q to {_name([k.placements[dim]])} on mesh dim {dim}, or k and v to "
+                             f"{_name([q.placements[dim]])}.")
     if len(cp_dims) > 2 or (cp_dims and fields.get("q_seq_dim") is not None):
         raise ValueError(f"the sequence may be sharded over at most two mesh dims, for q, k and v alike; got "
                          f"q={_name(q.placements)}, k={_name(k.placements)}, v={_name(v.placements)} on "
@@ -106,11 +109,13 @@ def plan(q, k, v, *, is_causal: bool, window=(-1, -1), strategy: str = "auto",
                          f"k={_name(k.placements)}, v={_name(v.placements)} on {_mesh_name(mesh)}. Redistribute k "
                          f"and v to Shard(dim=1) on mesh dim {fields['kv_head_dim']} too, or q to Replicate() there.")
     _check_divisible(q, k, mesh, cp_dims, fields)
+    _check_even(q, k, mesh, batch_dims, head_dims)
     if not cp_dims:
         return Plan(**fields)
     mesh_shape = tuple(mesh.shape[d] for d in cp_dims)
-    problem = cost_model.Problem.of_shards(q, k, v, s_local=q.shape[SEQ] // math.prod(mesh_shape),
-                                           is_causal=is_causal, window=window, mesh_shape=mesh_shape)
+    problem = cost_model.Problem.of_shards(*_cp_group_shapes(q, k, v, mesh, batch_dims, head_dims, fields),
+                                           s_local=q.shape[SEQ] // math.prod(mesh_shape), is_causal=is_causal,
+                                           window=window, mesh_shape=mesh_shape)
     best, table = cost_model.choose(problem, hardware, strategy)
     return Plan(cp_dims=tuple(cp_dims), strategy=best, table=table, **fields)
 
@@ -142,6 +147,33 @@ def _check_divisible(q, k, mesh, cp_dims, fields) -> None:
             raise ValueError(f"q's {q.shape[HEADS]} heads split over {ranks} ranks must give each rank whole "
                              f"groups of the {k.shape[HEADS]} KV heads, or a part of one group; got {local} query "
                              f"heads per rank with {group} query heads per KV head")
+
+
+def _check_even(q, k, mesh, batch_dims, head_dims) -> None:
+    """Batch and head shards must be even: uneven ones differ in shape from rank to rank, and uneven
+    head shards would pair query heads with the wrong KV heads."""
+    batch_ranks = math.prod(mesh.shape[d] for d in batch_dims)
+    if q.shape[BATCH] % batch_ranks:
+        raise ValueError(f"the batch size {q.shape[BATCH]} must be a multiple of {batch_ranks}, the number of batch "
+                         f"shards on {_mesh_name(mesh)}")
+    head_ranks = math.prod(mesh.shape[d] for d in head_dims)
+    if q.shape[HEADS] % head_ranks or k.shape[HEADS] % head_ranks:
+        raise ValueError(f"q's {q.shape[HEADS]} heads and k's and v's {k.shape[HEADS]} must each be a multiple of "
+                         f"{head_ranks}, the number of head shards on {_mesh_name(mesh)}, so that every rank holds "
+                         f"the KV heads of its query heads")
+
+
+def _cp_group_shapes(q, k, v, mesh, batch_dims, head_dims, fields):
+    """q, k, v as the context-parallel ranks see them (stand-ins with a shape and a dtype): batch and
+    heads cut by the other mesh dims that split them, which the strategies' costs and rules are about."""
+    batch = q.shape[BATCH] // math.prod(mesh.shape[d] for d in batch_dims)
+    head_ranks = math.prod(mesh.shape[d] for d in head_dims)
+    h_q, h_kv = q.shape[HEADS] // head_ranks, k.shape[HEADS] // head_ranks
+    if fields.get("kv_head_dim") is not None:
+        ranks = mesh.shape[fields["kv_head_dim"]]
+        h_q, h_kv = h_q // ranks, kv_head_slice(h_q, h_kv, ranks, 0)[1]
+    return tuple(SimpleNamespace(shape=(batch, h, *t.shape[SEQ:]), dtype=t.dtype)
+                 for t, h in ((q, h_q), (k, h_kv), (v, h_kv)))
 
 
 def kv_head_slice(h_q: int, h_kv: int, ranks: int, rank: int) -> tuple[int, int]:

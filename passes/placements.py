@@ -50,13 +50,18 @@ def _is_dtensor(t) -> bool:
     return type(t).__name__ == "DTensor"
 
 
+class MaskNotDistributed(ValueError):
+    """An attention on sharded q, k, v with a mask the distributed ops do not take. Where q, k, v are
+    DTensors, DTensor's own attention runs it in the graph as dynamo gave it."""
+
+
 def _check_positional_masking(node: Node, a: dict, inputs: str) -> None:
     masking = [name for name in ("attn_mask", "key_padding_mask", "document_ids") if a[name] is not None]
     if a["q_offset"]:
         masking.append(f"q_offset={a['q_offset']}")
     if masking:
-        raise ValueError(f"attention {node.name} with {inputs} uses {', '.join(masking)}; with sharded q, k, v only "
-                         f"causal, sliding-window or full attention is supported")
+        raise MaskNotDistributed(f"attention {node.name} with {inputs} uses {', '.join(masking)}; with sharded q, "
+                                 f"k, v only causal, sliding-window or full attention is supported")
 
 
 def _window(a: dict) -> tuple[int, int]:
@@ -186,4 +191,4 @@ def distribute_attention(gm: GraphModule, sites: list[Site], *, mesh=None, layou
     return done
 
 
-__all__ = ["distribute_attention", "Distributed"]
+__all__ = ["distribute_attention", "Distributed", "MaskNotDistributed"]

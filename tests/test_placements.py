@@ -163,6 +163,39 @@ def test_plain_sequence_shards_on_a_2d_mesh_run_hybrid():
     run_distributed(_plain_shards, 4)
 
 
+def masked_sdpa(q, k, v, mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def _dtensor_mask(rank, world):
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    q, k, v, dout = _inputs(0)
+    mask = torch.rand(SEQ, SEQ) > 0.3
+    mask[:, 0] = True
+    sharded = [distribute_tensor(x, mesh, [Shard(0)]).requires_grad_() for x in (q, k, v)]
+    replicated_mask = distribute_tensor(mask, mesh, [Replicate()])
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match=r"attention .* with DTensor q, k, v uses attn_mask; .* this graph is "
+                                         r"compiled unchanged"):
+        out = torch.compile(masked_sdpa, backend="attn_cp", options={"inner": "aot_eager"})(*sharded, replicated_mask)
+    grads = torch.autograd.grad(out, sharded, distribute_tensor(dout, mesh, [Shard(0)]))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    want = naive_attention(q, k, v, attn_mask=mask)
+    want_grads = torch.autograd.grad(want, (q, k, v), dout.double())
+    errors = [rel_err(g.full_tensor(), w) for g, w in zip((out, *grads), (want, *want_grads))]
+    assert max(errors) <= TOL, errors
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="uses attn_mask; with sharded q, k, v only causal"):
+        torch.compile(masked_sdpa, backend="attn_cp", options={"inner": "aot_eager", "strict": True})(
+            *sharded, replicated_mask)
+
+
+def test_a_dtensor_attention_with_a_mask_is_left_to_dtensor():
+    """The distributed ops take no tensor mask: the graph is compiled unchanged, with a warning,
+    and DTensor's own attention runs it; strict raises."""
+    run_distributed(_dtensor_mask, 2)
+
+
 def _graph_and_errors(rank, world, out_dir):
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     q, k, v, _ = _inputs(0)
@@ -214,8 +247,8 @@ getitem_1 = getitem(context_parallel_attention_default, 0)
 from_local = from_local(getitem_1)
 return (from_local)""")
         self.assertExpectedInline(errors, """\
-ValueError: q, k, v must be sharded the same way on batch and sequence dims; got q=(Shard(dim=2),), k=(Shard(dim=2),), v=(Replicate(),) on mesh 'cp' (size 2). Redistribute v to (Shard(dim=2),) on mesh dim 0, or k to (Replicate(),).
-ValueError: q, k, v must be sharded the same way on batch and sequence dims; got q=(Replicate(),), k=(Shard(dim=2),), v=(Shard(dim=2),) on mesh 'cp' (size 2). Redistribute q to (Shard(dim=2),) on mesh dim 0, or k and v to (Replicate(),).""")
+ValueError: k and v must have the same placements; got q=(Shard(dim=2),), k=(Shard(dim=2),), v=(Replicate(),) on mesh 'cp' (size 2). Redistribute v to (Shard(dim=2),) on mesh dim 0, or k to (Replicate(),).
+ValueError: q, k, v must be sharded the same way on each mesh dim, except that q alone may split the sequence or the heads against replicated k and v; got q=(Replicate(),), k=(Shard(dim=2),), v=(Shard(dim=2),) on mesh 'cp' (size 2). Redistribute q to (Shard(dim=2),) on mesh dim 0, or k and v to (Replicate(),).""")
         self.assertExpectedInline(report, """\
 attn_compile: 1 attention site(s), 1 rewritten, 0 left as is
   [0] test_placements.py:53: q(2, 8, 16, 24) k(2, 2, 16, 24) v(2, 2, 16, 16) -> attn_cp.attention [reference]

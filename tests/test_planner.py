@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from attn_compile.planner import kv_head_slice, plan
 
@@ -31,7 +31,7 @@ def _qkv(q_pl, k_pl, v_pl=None, mesh=CP, h_q=8, h_kv=2, s=64):
 
 @pytest.mark.parametrize("placement", [Replicate(), Shard(0), Shard(1)])
 def test_local_without_communication(placement):
-    p = plan(*_qkv([placement], [placement]), is_causal=True)
+    p = plan(*_qkv([placement], [placement], mesh=Mesh(shape=(2,), mesh_dim_names=("dp",))), is_causal=True)
     assert p.describe() == "local: no communication" and not p.cp_dims
 
 
@@ -64,19 +64,55 @@ def test_gqa_tensor_parallel_takes_kv_head_slices():
 
 
 def test_mismatched_sequence_sharding_names_every_placement():
-    message = ("q, k, v must be sharded the same way on batch and sequence dims; got q=(Shard(dim=2),), "
-               "k=(Shard(dim=2),), v=(Replicate(),) on mesh 'cp' (size 4). Redistribute v to (Shard(dim=2),) "
-               "on mesh dim 0, or k to (Replicate(),).")
+    message = ("k and v must have the same placements; got q=(Shard(dim=2),), k=(Shard(dim=2),), v=(Replicate(),) "
+               "on mesh 'cp' (size 4). Redistribute v to (Shard(dim=2),) on mesh dim 0, or k to (Replicate(),).")
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         plan(*_qkv([Shard(2)], [Shard(2)], [Replicate()]), is_causal=True)
 
 
+def test_k_and_v_split_on_heads_against_replicated_v():
+    with pytest.raises(ValueError, match=r"^k and v must have the same placements; got q=\(Shard\(dim=1\),\), "
+                                         r"k=\(Shard\(dim=1\),\), v=\(Replicate\(\),\)"):
+        plan(*_qkv([Shard(1)], [Shard(1)], [Replicate()]), is_causal=True)
+
+
+def test_a_partial_placement_is_named_before_any_mismatch():
+    with pytest.raises(ValueError, match=r"^q, k, v placements must be Replicate or Shard on the batch \(0\), head "
+                                         r"\(1\) or sequence \(2\) dim; got q=\(Replicate\(\),\), "
+                                         r"k=\(Partial\(sum\),\), v=\(Replicate\(\),\)"):
+        plan(*_qkv([Replicate()], [Partial()], [Replicate()]), is_causal=True)
+
+
 def test_kv_sharded_but_q_not():
-    message = ("q, k, v must be sharded the same way on batch and sequence dims; got q=(Replicate(),), "
-               "k=(Shard(dim=2),), v=(Shard(dim=2),) on mesh 'cp' (size 4). Redistribute q to (Shard(dim=2),) "
-               "on mesh dim 0, or k and v to (Replicate(),).")
+    message = ("q, k, v must be sharded the same way on each mesh dim, except that q alone may split the sequence "
+               "or the heads against replicated k and v; got q=(Replicate(),), k=(Shard(dim=2),), v=(Shard(dim=2),) "
+               "on mesh 'cp' (size 4). Redistribute q to (Shard(dim=2),) on mesh dim 0, or k and v to (Replicate(),).")
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         plan(*_qkv([Replicate()], [Shard(2)]), is_causal=True)
+
+
+def test_uneven_batch_shards():
+    with pytest.raises(ValueError, match=r"^the batch size 2 must be a multiple of 4, the number of batch shards on "
+                                         r"mesh 'cp' \(size 4\)$"):
+        plan(*_qkv([Shard(0)], [Shard(0)]), is_causal=True)
+
+
+def test_uneven_head_shards_would_pair_the_wrong_kv_heads():
+    # 12/3 heads on 2 ranks: 6 query heads but 2 or 1 KV heads a rank
+    with pytest.raises(ValueError, match=r"^q's 12 heads and k's and v's 3 must each be a multiple of 2, the number "
+                                         r"of head shards on mesh 'dp, cp' \(size 2x2\)"):
+        plan(*_qkv([Shard(1), Shard(2)], [Shard(1), Shard(2)], mesh=DP_CP, h_q=12, h_kv=3), is_causal=True)
+
+
+def test_the_cost_model_sees_the_heads_of_one_context_parallel_rank():
+    # h_q = 4 split over 2 head shards leaves 2 query heads a rank: Ulysses over 4 ranks cannot divide them
+    qkv = _qkv([Shard(1), Shard(2)], [Shard(1), Shard(2)], mesh=Mesh(shape=(2, 4), mesh_dim_names=("tp", "cp")),
+               h_q=4, h_kv=2)
+    p = plan(*qkv, is_causal=True)
+    assert p.strategy in ("ring", "allgather") and p.table["ulysses"] == (
+        "h_q=2 is not a multiple of the context-parallel size 4")
+    with pytest.raises(ValueError, match=r"^strategy='ulysses' cannot run here: h_q=2 is not a multiple"):
+        plan(*qkv, is_causal=True, strategy="ulysses")
 
 
 def test_sequence_not_divisible():
