@@ -27,10 +27,6 @@ def _plain(p: Problem) -> bool:
     )
 
 
-def _sm() -> tuple[int, int]:
-    return torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
-
-
 def _like(x: torch.Tensor, layout: torch.Tensor) -> torch.Tensor:
     """x copied into layout's strides: the backward kernels expect dout laid out like out."""
     return x if x.stride() == layout.stride() else torch.empty_like(layout).copy_(x)
@@ -44,7 +40,7 @@ class Cudnn:
         return (
             _plain(p) and p.dtype in _HALF and p.d_qk <= 256 and p.d_v <= 256
             and (p.s_q, p.s_k) != (1, 1)  # cuDNN's backward refuses a single query against a single key
-            and _sm() >= (9, 0) and torch.backends.cuda.cudnn_sdp_enabled()
+            and p.sm >= (9, 0) and torch.backends.cuda.cudnn_sdp_enabled()
         )
 
     @staticmethod
@@ -70,7 +66,7 @@ class Flash:
     def supports(p: Problem) -> bool:
         return (
             _plain(p) and p.dtype in _HALF and p.h_q == p.h_kv and p.d_qk == p.d_v and p.d_qk <= 256
-            and _sm() >= (8, 0) and torch.backends.cuda.flash_sdp_enabled()
+            and p.sm >= (8, 0) and torch.backends.cuda.flash_sdp_enabled()
         )
 
     @staticmethod
@@ -94,7 +90,7 @@ class Efficient:
     def supports(p: Problem) -> bool:
         return (
             _plain(p) and p.dtype in (*_HALF, torch.float32) and p.h_q == p.h_kv
-            and _sm() >= (5, 0) and torch.backends.cuda.mem_efficient_sdp_enabled()
+            and p.sm >= (5, 0) and torch.backends.cuda.mem_efficient_sdp_enabled()
         )
 
     @staticmethod
@@ -123,7 +119,7 @@ class FlashVarlen:
         return (
             p.device_type == "cuda" and p.dtype in _HALF and not p.has_mask and not p.has_key_padding
             and not p.has_documents and not p.offset and p.d_qk % 8 == 0 and p.d_v <= p.d_qk <= 256
-            and _sm() >= (8, 0) and torch.backends.cuda.flash_sdp_enabled()
+            and p.sm >= (8, 0) and torch.backends.cuda.flash_sdp_enabled()
         )
 
     @staticmethod

@@ -18,7 +18,7 @@ import torch
 from . import reference
 from .aten import Cudnn, Efficient, Flash, FlashVarlen
 from .documents import packed, run_bounds, same_document_mask, unpacked
-from .problem import Problem
+from .problem import Problem, capability
 
 try:
     from .triton_attention import Triton, TritonVarlen, merge_forward
@@ -40,6 +40,8 @@ def select_kernel(q, k, v, document_ids=None, **masking) -> str:
     with document_ids 'varlen:<kernel>', the packed kernel that runs documents in contiguous runs
     (ids that come back after another run on the reference)."""
     if document_ids is not None:
+        if masking.get("key_padding_mask") is not None:  # see _documents_as_varlen
+            return REFERENCE
         kernel = _varlen_kernel_of(Problem.of(q, k, v, **_positional(masking)))
         return f"varlen:{kernel.name if kernel else REFERENCE}"
     kernel = _fused_kernel(q, k, v, masking)
@@ -48,7 +50,7 @@ def select_kernel(q, k, v, document_ids=None, **masking) -> str:
 
 def _documents_as_varlen(document_ids, masking):
     """(cu_seqlens, longest) where the documents can run as one packed varlen call, else None."""
-    if masking.get("key_padding_mask") is not None:
+    if masking.get("key_padding_mask") is not None or document_ids.numel() == 0:
         return None
     bounds = run_bounds(document_ids)
     return None if bounds is None else (bounds.to(document_ids.device), int(bounds.diff().max()))
@@ -97,26 +99,29 @@ def _varlen_kernel_of(problem):
     return next((kernel for kernel in FUSED_VARLEN if kernel.supports(problem)), None)
 
 
-def _varlen_kernel(q, k, v, masking):
-    return _varlen_kernel_of(Problem.of(*(unpacked(x, 1) for x in (q, k, v)), **masking))
+def _varlen_kernel(q, k, v, masking, aligned=True):
+    return _varlen_kernel_of(Problem.of(*(unpacked(x, 1) for x in (q, k, v)), **masking, aligned=aligned))
 
 
 def select_varlen_kernel(q, k, v, **masking) -> str:
-    """Name of the kernel that runs these packed documents: 'triton', 'flash' or 'reference'."""
+    """Name of the kernel that runs these packed documents, with the same lengths in q and k:
+    'triton', 'flash' or 'reference'."""
     kernel = _varlen_kernel(q, k, v, masking)
     return kernel.name if kernel else REFERENCE
 
 
 def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale, **masking):
-    """(out (total_q, h_q, d_v), lse (total_q, h_q)) of packed documents; masking: is_causal and window."""
-    kernel = _varlen_kernel(q, k, v, masking)
+    """(out (total_q, h_q, d_v), lse (total_q, h_q)) of packed documents; masking: is_causal and window.
+    Distinct cu_seqlens_q and cu_seqlens_k tensors count as documents whose query and key lengths
+    differ (FA2 aligns their masks bottom-right, the others top-left)."""
+    kernel = _varlen_kernel(q, k, v, masking, aligned=cu_seqlens_q is cu_seqlens_k)
     forward = kernel.forward if kernel else reference.varlen_forward
     return forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=scale, **masking)
 
 
 def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale,
                     **masking):
-    kernel = _varlen_kernel(q, k, v, masking)
+    kernel = _varlen_kernel(q, k, v, masking, aligned=cu_seqlens_q is cu_seqlens_k)
     backward = kernel.backward if kernel else reference.varlen_backward
     return backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=scale,
                     **masking)
@@ -127,7 +132,7 @@ def merge_into(out, lse, part_out, part_lse, *, into=None) -> None:
     place or, given ``into``, written there (in into's dtype; out is then left as it was). One fused
     Triton kernel for float32 results on CUDA, else the reference (float64 results, the CPU)."""
     fused = (merge_forward is not None and out.is_cuda and out.dtype == lse.dtype == torch.float32
-             and torch.cuda.get_device_capability(out.device) >= (8, 0))
+             and capability(out.device) >= (8, 0))
     if fused:
         merge_forward(out, lse, part_out, part_lse, out=out if into is None else into, lse=lse)
     else:

@@ -1,12 +1,22 @@
 """The facts about one attention call that decide which kernel may run it."""
+import functools
 from dataclasses import dataclass
 
 import torch
 
 
+@functools.cache
+def capability(device: torch.device) -> tuple[int, int]:
+    """The CUDA compute capability of ``device``, (0, 0) off CUDA. Cached: asking the driver
+    costs microseconds on every call, and calls are what the kernels' host time is made of."""
+    usable = device.type == "cuda" and torch.cuda.is_available()
+    return torch.cuda.get_device_capability(device) if usable else (0, 0)
+
+
 @dataclass(frozen=True)
 class Problem:
     device_type: str
+    sm: tuple[int, int]  # compute capability, (0, 0) off CUDA
     dtype: torch.dtype
     h_q: int
     h_kv: int
@@ -23,12 +33,13 @@ class Problem:
 
     @classmethod
     def of(cls, q, k, v, *, is_causal=False, window=(-1, -1), attn_mask=None, key_padding_mask=None, q_offset=0,
-           k_offset=0, document_ids=None):
-        """q, k, v: tensors, or anything with their shape, dtype and device."""
+           k_offset=0, document_ids=None, aligned=True):
+        """q, k, v: tensors, or anything with their shape, dtype and device. ``aligned=False``: packed
+        documents whose query and key lengths may differ, so their positions need not line up."""
         return cls(
-            device_type=q.device.type, dtype=q.dtype,
+            device_type=q.device.type, sm=capability(q.device), dtype=q.dtype,
             h_q=q.shape[1], h_kv=k.shape[1], s_q=q.shape[2], s_k=k.shape[2], d_qk=q.shape[-1], d_v=v.shape[-1],
             is_causal=bool(is_causal), windowed=tuple(window) != (-1, -1), has_mask=attn_mask is not None,
             has_key_padding=key_padding_mask is not None, has_documents=document_ids is not None,
-            offset=(bool(is_causal) or tuple(window) != (-1, -1)) and q_offset != k_offset,
+            offset=(bool(is_causal) or tuple(window) != (-1, -1)) and (q_offset != k_offset or not aligned),
         )

@@ -37,7 +37,7 @@ def supports(p: Problem) -> bool:
     return (
         p.device_type == "cuda" and not p.has_mask and not p.has_documents and p.dtype in DTYPES
         and p.d_qk <= MAX_HEAD_DIM and p.d_v <= MAX_HEAD_DIM
-        and torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
+        and p.sm >= (8, 0)
     )
 
 
@@ -100,10 +100,13 @@ def _check_result(dout, out, lse, q, v):
     return _descriptor_ready(dout)[0], _unit_last(out)[0]
 
 
-def _reaches(is_causal, window, q_offset, k_offset, longest):
-    """(before, after) of triton_tiles: query i sees key j when i - before <= j <= i + after."""
+def _reaches(is_causal, window, q_offset, k_offset, longest, lengths="q, k"):
+    """(before, after) of triton_tiles: query i sees key j when i - before <= j <= i + after.
+    ``longest``: the longest sequence, named by ``lengths``."""
     if len(window) != 2 or any(not isinstance(w, int) or w < -1 for w in window):
         raise ValueError(f"window: expected (left, right), each -1 or a distance >= 0, got {window}")
+    if longest >= MAX_SPAN:
+        raise ValueError(f"{lengths}: a sequence of {longest} is too long; the kernels take fewer than {MAX_SPAN}")
     shift = k_offset - q_offset
     if abs(shift) + longest >= MAX_SPAN:
         raise ValueError(f"q_offset, k_offset: positions {q_offset} and {k_offset} lie too far apart")
@@ -182,7 +185,7 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     q, k, v = _check_inputs(q, k, v, packed=True)
     k, v = _descriptor_ready(k, v)
     n = _check_documents(cu_seqlens_q, cu_seqlens_k)
-    before, after = _reaches(is_causal, window, 0, 0, max(max_seqlen_q, max_seqlen_k))
+    before, after = _reaches(is_causal, window, 0, 0, max(max_seqlen_q, max_seqlen_k), "max_seqlen_q, max_seqlen_k")
     out = q.new_empty(*q.shape[:-1], v.shape[-1])
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     forward(*(_documents(x, n) for x in (q, k, v, out, lse)), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -197,7 +200,7 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
     q, k, v = _descriptor_ready(*_check_inputs(q, k, v, packed=True))
     dout, out = _check_result(dout, out, lse, q, v)
     n = _check_documents(cu_seqlens_q, cu_seqlens_k)
-    before, after = _reaches(is_causal, window, 0, 0, max(max_seqlen_q, max_seqlen_k))
+    before, after = _reaches(is_causal, window, 0, 0, max(max_seqlen_q, max_seqlen_k), "max_seqlen_q, max_seqlen_k")
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     backward(*(_documents(x, n) for x in (dout, q, k, v, out, lse, dq, dk, dv)), cu_seqlens_q, cu_seqlens_k,
              max_seqlen_q, max_seqlen_k, scale, before, after)

@@ -211,7 +211,7 @@ def _group_parts(device, group, programs):
     waves of programs. The interpreter has no multiprocessors; its target of 16 makes small
     tests take the split path too."""
     target = 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
-    heads = triton.cdiv(group, min(group, triton.cdiv(target, programs)))
+    heads = triton.cdiv(group, min(group, triton.cdiv(target, max(programs, 1))))  # no keys: no programs
     return triton.cdiv(group, heads)
 
 

@@ -49,16 +49,28 @@ def autotune(small, large, key):
     return triton.autotune(every, key=key, prune_configs_by={"early_config_prune": by_head_dims_and_dtype})
 
 
+_PICKS = {}  # (autotuned kernel, its autotuning key) -> the configuration it picked
+
+
 def launch(kernel, grid, device, *args, **kwargs):
-    """``kernel[grid](*args, **kwargs)`` with the scratch memory its tensor descriptors need,
-    from an allocator set in a copy of the current context: a Triton allocator the caller set
-    stays in place."""
+    """``kernel[grid](*args, **kwargs)`` for an ``autotune``d kernel, with the scratch memory its
+    tensor descriptors need, from an allocator set in a copy of the current context: a Triton
+    allocator the caller set stays in place. Triton's autotuner rebuilds its key on every call
+    by scanning the argument names once per argument (tens of µs of host time for these
+    kernels); here a key's first call tunes and later calls launch its pick directly."""
+    key = (kernel, *(kwargs[name] for name in kernel.keys), *(str(arg.dtype) for arg in args if hasattr(arg, "dtype")))
+
     def scratch(size, alignment, stream):
         return torch.empty(size, dtype=torch.int8, device=device)
 
     def run():
         triton.set_allocator(scratch)
-        kernel[grid](*args, **kwargs)
+        pick = _PICKS.get(key)
+        if pick is None:
+            kernel[grid](*args, **kwargs)
+            _PICKS[key] = kernel.best_config
+        else:
+            kernel.fn[grid](*args, **kwargs, **pick.all_kwargs())
 
     contextvars.copy_context().run(run)
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import attn_compile  # noqa: F401  (registers torch.ops.attn_cp)
-from attn_compile.kernels import reference
+from attn_compile.kernels import reference, select_kernel
 from oracle import naive_attention, rel_err
 from shapes import HEADS, make_qkv
 
@@ -93,6 +93,22 @@ def test_document_ids(heads, is_causal, window, padded, documents):
     keep = torch.arange(40).expand(2, 40) < torch.tensor([[40], [33]]) if padded else None
     _check(q, k, v, torch.randn(*q.shape[:-1], v.shape[-1]), is_causal=is_causal, window=window,
            key_padding_mask=keep, document_ids=DOCUMENTS[documents])
+
+
+@pytest.mark.parametrize("batch, seq", [(1, 0), (0, 6)], ids=["no tokens", "no batch"])
+def test_document_ids_of_nothing(batch, seq):
+    q, k, v = (torch.randn(batch, h, seq, 8, requires_grad=True) for h in (4, 2, 2))
+    out, lse = torch.ops.attn_cp.attention(q, k, v, None, True, None, -1, -1, None, 0,
+                                           torch.zeros(batch, seq, dtype=torch.long))
+    assert out.shape == (batch, 4, seq, 8) and lse.shape == (batch, 4, seq)
+    assert [g.shape for g in torch.autograd.grad(out, (q, k, v), torch.randn_like(out))] == [q.shape, k.shape, v.shape]
+
+
+def test_documents_with_key_padding_report_the_kernel_that_runs_them():
+    q, k, v = make_qkv("gqa", s_q=8)
+    documents, keep = torch.zeros(2, 8, dtype=torch.long), torch.ones(2, 8, dtype=torch.bool)
+    assert select_kernel(q, k, v, document_ids=documents) == "varlen:reference"  # on the CPU
+    assert select_kernel(q, k, v, document_ids=documents, key_padding_mask=keep) == "reference"
 
 
 @pytest.mark.parametrize("s_q,s_k", [(1, 1), (1, 37), (37, 5), (20, 50)])

@@ -309,8 +309,29 @@ def _bad_calls():
         "q_offset": lambda: ta.attention_forward(q, k, v, scale=1.0, is_causal=True, q_offset=1 << 30),
         "lse": lambda: ta.attention_backward(out, q, k, v, out, lse[..., :4], scale=1.0),
         "cu_seqlens_q": lambda: ta.varlen_forward(q[0], k[0], v[0], cu.long(), cu, 8, 8, scale=1.0),
+        "max_seqlen_q, max_seqlen_k": lambda: ta.varlen_forward(q[0], k[0], v[0], cu, cu, 1 << 28, 8, scale=1.0),
         "lse_b": lambda: ta.merge_forward(out, lse, out, lse[0]),
     }
+
+
+@pytest.mark.parametrize("batch, s_k", [(1, 0), (0, 8)], ids=["no keys", "no batch"])
+def test_nothing_to_attend_to(batch, s_k):
+    """Output 0, LSE -inf and zero gradients; the backward's work split must not divide by its empty grid."""
+    torch.manual_seed(0)
+    q = torch.randn(batch, 4, 8, 16, device=DEVICE)
+    k, v = (torch.randn(batch, 2, s_k, d, device=DEVICE) for d in (16, 8))
+    out, lse = ta.attention_forward(q, k, v, scale=0.25, window=(2, 2))
+    grads = ta.attention_backward(torch.randn_like(out), q, k, v, out, lse, scale=0.25, window=(2, 2))
+    assert out.shape == (batch, 4, 8, 8) and not out.any() and lse.isneginf().all()
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape] and not any(g.any() for g in grads)
+
+
+def test_no_packed_tokens():
+    cu = torch.tensor([0, 0], dtype=torch.int32, device=DEVICE)
+    q, k, v = (torch.randn(0, h, 8, device=DEVICE) for h in (2, 1, 1))
+    out, lse = ta.varlen_forward(q, k, v, cu, cu, 0, 0, scale=0.5)
+    grads = ta.varlen_backward(out, q, k, v, out, lse, cu, cu, 0, 0, scale=0.5)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
 
 
 @pytest.mark.parametrize("argument", list(_bad_calls()))

@@ -2,6 +2,7 @@
 padding happens inside that adapter only, and only for shapes that need it. Checked on the CPU
 with the aten kernels replaced by stand-ins that record what they were handed and compute the
 reference result on it."""
+import dataclasses
 import itertools
 import types
 
@@ -29,6 +30,18 @@ def test_flash_pads_only_mla(d_qk, d_v, pads):
 
 def test_flash_takes_no_v_wider_than_q():
     assert not FlashVarlen.supports(_problem(64, 128))
+
+
+@pytest.mark.parametrize("masking", [{"is_causal": True}, {"window": (2, 0)}, {}])
+def test_flash_takes_no_causal_or_window_mask_on_documents_of_unequal_lengths(masking):
+    """FA2 aligns such masks bottom-right where a document's query and key lengths differ; the
+    op's documents start at position 0 in both (top-left)."""
+    q, k, v = (torch.empty(1, 4, 8, 64, dtype=torch.bfloat16, device="meta") for _ in range(3))
+    on_hopper = dict(device_type="cuda", sm=(9, 0))
+    aligned = dataclasses.replace(Problem.of(q, k, v, **masking), **on_hopper)
+    unaligned = dataclasses.replace(Problem.of(q, k, v, **masking, aligned=False), **on_hopper)
+    assert FlashVarlen.supports(aligned)
+    assert FlashVarlen.supports(unaligned) == (not masking)
 
 
 class _RecordingFlash:
