@@ -123,17 +123,21 @@ def main(argv=None) -> int:
                         help="the baseline backend, and attn_cp's inner compiler")
     parser.add_argument("--seq", type=int, nargs="+", help="sequence lengths (default 4096 8192; --tiny: 32)")
     parser.add_argument("--models", nargs="+", choices=tuple(SHAPES), default=tuple(SHAPES), help="stacks to run")
+    parser.add_argument("--mode", choices=("reduce-overhead", "max-autotune-no-cudagraphs"),
+                        help="torch.compile mode for both sides (reduce-overhead: CUDA graphs, no per-call host time)")
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
     seqs = args.seq or ([32] if args.tiny else [4096, 8192])
     shapes = TINY_SHAPES if args.tiny else SHAPES
     timer = _timer(device)
+    if args.mode is not None and args.compiler != "inductor":
+        parser.error(f"--mode applies to --compiler inductor only; got --compiler {args.compiler}")
     backends = {
-        args.compiler: lambda fn: torch.compile(fn, backend=args.compiler),
-        "attn_cp": lambda fn: torch.compile(fn, backend="attn_cp", options={"inner": args.compiler}),
+        args.compiler: lambda fn: torch.compile(fn, backend=args.compiler, mode=args.mode),
+        "attn_cp": lambda fn: torch.compile(fn, backend="attn_cp", mode=args.mode, options={"inner": args.compiler}),
     }
-    print(f"batch {BATCH}, {dtype}, {device}; times in ms (medians)")
+    print(f"batch {BATCH}, {dtype}, {device}, mode {args.mode}; times in ms (medians)")
     print(f"{'model':<12}{'layers':>7}{'S':>6}  {'measure':<20}{args.compiler:>12}{'attn_cp':>12}{'speedup':>9}")
     for name in args.models:
         dims = shapes[name]

@@ -82,3 +82,51 @@ def test_plain_shapes_use_fused_kernels():
     assert select_kernel(q, k, v) == "cudnn"
     assert select_kernel(q, k, v, window=(32, 0)) == "triton"
     assert select_kernel(q, k, v, is_causal=True, q_offset=64) == "triton"
+
+
+def _hf_style_attention(q, k, v, padding, window):
+    """SDPA with the mask a Hugging Face model builds: causal from arange comparisons, a sliding
+    window, the (B, S) padding mask; the passes turn it back into structure."""
+    i = torch.arange(q.shape[2], device=q.device)
+    mask = i[None, :] <= i[:, None]
+    if window is not None:
+        mask = mask & (i[None, :] > i[:, None] - window)
+    if padding is not None:
+        mask = mask[None, None] & padding[:, None, None, :].bool()
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+@pytest.mark.parametrize("padding, window, kernel", [(True, 64, "triton"), (False, None, "cudnn")],
+                         ids=["triton", "cudnn"])
+def test_cuda_graphs_replay_the_op(padding, window, kernel):
+    """mode="reduce-overhead" records the op into CUDA graphs and replays it on new inputs: no
+    graph is skipped, and every call matches the oracle, forward and gradients."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(_hf_style_attention, backend="attn_cp", mode="reduce-overhead")
+    seq = 256
+    for step in range(4):  # warm-up, recording, replays
+        torch.manual_seed(step)
+        q = torch.randn(2, 8, seq, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(2, 2, seq, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                for _ in range(2))
+        lengths = torch.ones(2, seq, dtype=torch.long, device="cuda")
+        lengths[1, seq - 8 * (step + 1):] = 0  # fewer than the window: every query sees a key
+        key_padding = lengths if padding else None
+        out = compiled(q, k, v, key_padding, window)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        q64, k64, v64 = (x.detach().cpu().double().requires_grad_() for x in (q, k, v))
+        i = torch.arange(seq)
+        visible = (i[None, :] <= i[:, None]) & ((i[None, :] > i[:, None] - window) if window else True)
+        if padding:
+            visible = visible[None, None] & lengths.cpu()[:, None, None, :].bool()
+        want = naive_attention(q64, k64, v64, attn_mask=visible)
+        want_grads = torch.autograd.grad(want, (q64, k64, v64), dout.cpu().double())
+        errors = [rel_err(out.cpu(), want)] + [rel_err(g.cpu(), w) for g, w in zip(grads, want_grads)]
+        assert max(errors) <= TOL, (step, errors)
+    assert select_kernel(q, k, v, is_causal=True, window=(window - 1 if window else -1, -1),
+                         key_padding_mask=lengths.bool() if padding else None) == kernel
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
