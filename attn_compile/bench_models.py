@@ -135,7 +135,9 @@ def main(argv=None) -> int:
         parser.error(f"--mode applies to --compiler inductor only; got --compiler {args.compiler}")
     backends = {
         args.compiler: lambda fn: torch.compile(fn, backend=args.compiler, mode=args.mode),
-        "attn_cp": lambda fn: torch.compile(fn, backend="attn_cp", mode=args.mode, options={"inner": args.compiler}),
+        # torch.compile takes a mode or options, not both; with a mode the inner compiler is Inductor, the default
+        "attn_cp": lambda fn: (torch.compile(fn, backend="attn_cp", mode=args.mode) if args.mode else
+                               torch.compile(fn, backend="attn_cp", options={"inner": args.compiler})),
     }
     print(f"batch {BATCH}, {dtype}, {device}, mode {args.mode}; times in ms (medians)")
     print(f"{'model':<12}{'layers':>7}{'S':>6}  {'measure':<20}{args.compiler:>12}{'attn_cp':>12}{'speedup':>9}")
