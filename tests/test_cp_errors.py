@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from attn_compile.cp.api import choose_strategy, context_parallel_attention as cpa
 from attn_compile import shard_varlen, varlen_attention
@@ -50,6 +51,10 @@ def _check_errors(rank, world):
             "group", cpa, *_qkv(), group=group, strategy="hybrid")
     _raises("strategy='ring' needs group to be a ProcessGroup or a 1-D DeviceMesh; got a 2-D DeviceMesh (use "
             "strategy='hybrid')", cpa, *_qkv(), group=mesh_2d, strategy="ring")
+    mesh_1d = init_device_mesh("cpu", (world,))
+    _raises("q must be this rank's shard as a plain tensor; got a DTensor. Pass q.to_local(), or call attention on "
+            "the DTensors in a model compiled with backend='attn_cp', which reads their placements",
+            cpa, *(distribute_tensor(x, mesh_1d, [Shard(2)]) for x in _qkv()), group=mesh_1d)
 
     name = group.group_name
     _raises(f"group_size must be the size of group {name!r}, 2; got 4",

@@ -9,6 +9,7 @@ dynamo's trace (where the model's Python would break the graph).
 import dataclasses
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from attn_compile import cost_model
 
@@ -76,6 +77,10 @@ def window_pair(window) -> tuple[int, int]:
 def _call_problem(q, k, v, groups, strategy, window):
     """What is wrong with a call before its op is reached, or None."""
     for name, x in (("q", q), ("k", k), ("v", v)):
+        if isinstance(x, DTensor):
+            return (f"{name} must be this rank's shard as a plain tensor; got a DTensor. Pass {name}.to_local(), or "
+                    f"call attention on the DTensors in a model compiled with backend='attn_cp', which reads their "
+                    f"placements")
         if x.dim() != 4:
             return f"{name} must be 4-D (batch, heads, seq, dim); got shape {tuple(x.shape)}"
     problem = window_problem(window)
