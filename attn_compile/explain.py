@@ -6,6 +6,8 @@ import torch
 from .passes import Site, rewrite_attention
 from .passes.placements import Distributed, distribute_attention
 
+_UNLIMITED = 1 << 20
+
 
 @dataclasses.dataclass
 class Report:
@@ -34,14 +36,23 @@ def explain(model_or_fn, *args, **kwargs) -> Report:
     """Trace ``model_or_fn(*args, **kwargs)`` with dynamo, run the attn_cp passes, and report each
     site: where it is, its shapes, and what it became (op and kernel) or why it was left; for
     DTensor inputs also the placements, every strategy's estimate and the choice. The call runs
-    once, eagerly on the rewritten graphs; the user's own compiled functions are untouched."""
+    once, eagerly on the rewritten graphs. Dynamo caches each traced graph with the code it came
+    from, so every call of explain adds one more to the entries of the model's code that count
+    against ``torch._dynamo.config.recompile_limit`` (8) when that code is compiled later;
+    ``torch._dynamo.reset()`` clears them. explain itself traces past that limit."""
     report = Report([])
+    traced = []
 
     def recording_backend(gm, example_inputs):
+        traced.append(gm)
         sites = rewrite_attention(gm)
         report.sites.extend(sites)
         report.distributed.extend(distribute_attention(gm, sites))
         return gm.forward
 
-    torch.compile(model_or_fn, backend=recording_backend)(*args, **kwargs)
+    with torch._dynamo.config.patch(recompile_limit=_UNLIMITED, accumulated_recompile_limit=_UNLIMITED):
+        torch.compile(model_or_fn, backend=recording_backend)(*args, **kwargs)
+    if not traced:
+        raise RuntimeError("explain: dynamo ran the call without tracing a graph, so there is nothing to report "
+                           "(see dynamo's warnings above; torch._dynamo.reset() clears its caches)")
     return report

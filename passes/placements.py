@@ -24,7 +24,8 @@ from ..cp import api  # noqa: F401  (registers attn_cp::context_parallel_attenti
 from ..cp.comm import process_groups
 from ..planner import HEADS, SEQ, kv_head_slice, plan
 from .shapes import example_tensor, hinted_meta, hinted_shape
-from .site import Site
+from . import FINDERS
+from .site import Site, location_of
 
 ATTENTION = ops.attention._opoverload
 CONTEXT_PARALLEL = torch.ops.attn_cp.context_parallel_attention.default
@@ -166,6 +167,26 @@ def _distribute_shards(graph, node, a, groups, layout, strategy, hardware) -> Di
                        f"context parallel: {best}", table)
 
 
+# ops that run a whole attention inside them, out of the passes' sight
+OPAQUE_ATTENTION = (torch.nn.functional.multi_head_attention_forward, torch._transformer_encoder_layer_fwd,
+                    torch._native_multi_head_attention)
+
+
+def _hidden_attention(gm: GraphModule):
+    """Attention the passes do not see, described, or None: an op that runs one inside it
+    (``nn.MultiheadAttention``, ``TransformerEncoderLayer``'s fast path) or a site inside a
+    subgraph (activation checkpointing and other higher-order ops)."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in OPAQUE_ATTENTION:
+            return f"{location_of(node) or node.name} runs inside {node.target.__name__}"
+    for name, sub in gm.named_modules():
+        if sub is not gm and isinstance(sub, GraphModule):
+            for node in sub.graph.nodes:
+                if any(find(node) is not None for find in FINDERS):
+                    return f"{location_of(node) or node.name} is inside the subgraph {name}"
+    return None
+
+
 def distribute_attention(gm: GraphModule, sites: list[Site], *, mesh=None, layout="zigzag", strategy="auto",
                          hardware=cost_model.Hardware()) -> list[Distributed]:
     """Rewrite in place every attention op of ``gm`` whose inputs are sharded; ``sites`` are the
@@ -177,6 +198,10 @@ def distribute_attention(gm: GraphModule, sites: list[Site], *, mesh=None, layou
                       else "could not be rewritten")
             raise ValueError(f"options['mesh'] makes q, k, v sequence shards, but attention at {left[0]} {became}, "
                              f"and run locally it would see only this rank's keys")
+        hidden = _hidden_attention(gm)
+        if hidden:
+            raise ValueError(f"options['mesh'] makes q, k, v sequence shards, but attention at {hidden}, where the "
+                             f"passes cannot rewrite it, and run locally it would see only this rank's keys")
     groups = process_groups(mesh) if mesh is not None else None
     done = []
     for node in list(gm.graph.nodes):

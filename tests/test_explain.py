@@ -26,3 +26,18 @@ attn_compile: 2 attention site(s), 2 rewritten, 0 left as is
                                                   "attn_mask": (4, 4)})
         self.assertEqual(report.left[0].reason, "dropout_p=0.25 > 0: the fused op has no dropout")
         self.assertTrue(str(report).startswith("attn_compile: 1 attention site(s), 0 rewritten, 1 left as is"))
+
+
+class _Causal(torch.nn.Module):
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_explain_reports_past_dynamos_recompile_limit():
+    """Each call traces anew (a new backend for dynamo); past the 8th it used to get no graph and
+    return an empty report."""
+    torch._dynamo.reset()
+    q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
+    reports = [attn_compile.explain(_Causal(), q, k, v) for _ in range(torch._dynamo.config.recompile_limit + 2)]
+    assert [len(report.rewritten) for report in reports] == [1] * len(reports)
+    torch._dynamo.reset()

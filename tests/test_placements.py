@@ -258,3 +258,35 @@ distributed by placements (cost-model estimates, fwd + bwd):
       allgather: 0.06052 us (compute 0.001462 us, transfer 0.05905 us, memory 0.01953 MiB)
       ulysses: 0.1587 us (compute 0.001462 us, transfer 0.1573 us, memory 0.009766 MiB)
       hybrid: hybrid needs a 2-D mesh""")
+
+
+def _checkpointed_sdpa(q, k, v):
+    return torch.utils.checkpoint.checkpoint(sdpa, q, k, v, True, use_reentrant=False)
+
+
+def _multihead(x, mha):
+    return mha(x, x, x, need_weights=False)[0]
+
+
+@pytest.mark.parametrize("fn, where", [(_checkpointed_sdpa, r"is inside the subgraph wrap_body_0"),
+                                       (_multihead, r"runs inside multi_head_attention_forward")],
+                         ids=["checkpoint", "multihead"])
+def test_attention_the_passes_cannot_see_is_an_error_under_a_mesh(fn, where):
+    """Left alone it would attend to this rank's keys only: a wrong result, silently."""
+    from attn_compile.passes import rewrite_attention
+    from attn_compile.passes.placements import distribute_attention
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    args = (torch.randn(1, 8, 8), torch.nn.MultiheadAttention(8, 2, batch_first=True)) if fn is _multihead else \
+        _inputs(0)[:3]
+    torch.compile(fn, backend=capture)(*args)
+    (gm,) = graphs
+    with pytest.raises(ValueError, match=f"^options\\['mesh'\\] makes q, k, v sequence shards, but attention at "
+                                         f".*{where}, where the passes cannot rewrite it"):
+        distribute_attention(gm, rewrite_attention(gm), mesh="a mesh")
