@@ -47,9 +47,17 @@ def parse_options(options) -> dict:
     return merged
 
 
-def _inner_compile(gm, example_inputs, inner: str, mode):
-    if mode is not None and inner != "inductor":
+def _check_mode(inner: str, mode) -> None:
+    """Before any graph is compiled, so a bad mode is reported as itself, not as a failure of the
+    rewritten graph."""
+    if mode is None:
+        return
+    if inner != "inductor":
         raise ValueError(f"mode={mode!r} applies to the inductor inner compiler only; got inner={inner!r}")
+    torch._inductor.list_mode_options(mode)  # raises for a mode Inductor does not know, naming the valid ones
+
+
+def _inner_compile(gm, example_inputs, inner: str, mode):
     if inner == "eager":
         return gm.forward
     if inner == "aot_eager":
@@ -75,6 +83,7 @@ def _compile_unchanged(gm, example_inputs, opts, mode, failed: str):
 def attn_cp(gm, example_inputs, *, mode=None, options=None):
     """torch.compile backend; ``options`` keys and defaults are in ``DEFAULT_OPTIONS``."""
     opts = parse_options(options)
+    _check_mode(opts["inner"], mode)
     candidate = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
     candidate.meta = gm.meta  # dynamo's bookkeeping, which Inductor reads
     try:

@@ -148,6 +148,17 @@ def test_mode_needs_inductor():
         backend.attn_cp(gm, [torch.randn(3)], mode="max-autotune", options={"inner": "eager"})
 
 
+def test_an_unknown_mode_is_reported_as_itself(recwarn):
+    """Not as Inductor failing on the rewritten graph, with a fallback warning, before the same error."""
+    torch._dynamo.reset()
+    q, k, v = make_qkv("gqa", s_q=16, requires_grad=False)
+    fn = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+                       backend="attn_cp", mode="fastest")
+    with pytest.raises(Exception, match="Unrecognized mode=fastest"):
+        fn(q, k, v)
+    assert not [w for w in recwarn if "compiled unchanged" in str(w.message)]
+
+
 def test_inductor_caches_key_on_the_package_source(monkeypatch):
     """Inductor caches compiled code by graph, config and torch version; code cached with other
     versions of the ops (whose fake functions may lay results out otherwise) must not come back.
