@@ -88,17 +88,13 @@ def attn_cp(gm, example_inputs, *, mode=None, options=None):
     candidate.meta = gm.meta  # dynamo's bookkeeping, which Inductor reads
     try:
         sites = rewrite_attention(candidate)
-    except PassFailure as failure:
-        if not _may_compile_unchanged(opts):
-            raise
-        return _compile_unchanged(gm, example_inputs, opts, mode, f"the attention passes failed {failure}")
-    try:
         distribute_attention(candidate, sites, mesh=opts["mesh"], layout=opts["layout"], strategy=opts["strategy"],
                              hardware=opts["hardware"])
-    except MaskNotDistributed as unsupported:
+    except (PassFailure, MaskNotDistributed) as failure:
         if not _may_compile_unchanged(opts):
             raise
-        return _compile_unchanged(gm, example_inputs, opts, mode, str(unsupported))
+        reason = f"the attention passes failed {failure}" if isinstance(failure, PassFailure) else str(failure)
+        return _compile_unchanged(gm, example_inputs, opts, mode, reason)
     try:
         return _inner_compile(candidate, example_inputs, opts["inner"], mode)
     except Exception as error:  # e.g. Inductor's flex_attention lowering finding no kernel for a shape

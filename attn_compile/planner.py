@@ -108,12 +108,12 @@ def plan(q, k, v, *, is_causal: bool, window=(-1, -1), strategy: str = "auto",
                          f"mesh dim splits the heads of q, k and v; got q={_name(q.placements)}, "
                          f"k={_name(k.placements)}, v={_name(v.placements)} on {_mesh_name(mesh)}. Redistribute k "
                          f"and v to Shard(dim=1) on mesh dim {fields['kv_head_dim']} too, or q to Replicate() there.")
-    _check_divisible(q, k, mesh, cp_dims, fields)
-    _check_even(q, k, mesh, batch_dims, head_dims)
+    batch_ranks, head_ranks = _shards(mesh, batch_dims), _shards(mesh, head_dims)
+    _check_divisible(q, k, mesh, cp_dims, fields, batch_ranks, head_ranks)
     if not cp_dims:
         return Plan(**fields)
     mesh_shape = tuple(mesh.shape[d] for d in cp_dims)
-    problem = cost_model.Problem.of_shards(*_cp_group_shapes(q, k, v, mesh, batch_dims, head_dims, fields),
+    problem = cost_model.Problem.of_shards(*_cp_group_shapes(q, k, v, mesh, batch_ranks, head_ranks, fields),
                                            s_local=q.shape[SEQ] // math.prod(mesh_shape), is_causal=is_causal,
                                            window=window, mesh_shape=mesh_shape)
     best, table = cost_model.choose(problem, hardware, strategy)
@@ -132,9 +132,15 @@ def _set_q_only_split(fields: dict, field: str, dim: int, q, k, v, mesh) -> None
     fields[field] = dim
 
 
-def _check_divisible(q, k, mesh, cp_dims, fields) -> None:
-    """Even shards only: uneven ones would differ in shape from rank to rank."""
-    seq_ranks = math.prod(mesh.shape[d] for d in cp_dims)
+def _shards(mesh, dims) -> int:
+    """How many parts the mesh dims ``dims`` cut a tensor dim into."""
+    return math.prod(mesh.shape[d] for d in dims)
+
+
+def _check_divisible(q, k, mesh, cp_dims, fields, batch_ranks, head_ranks) -> None:
+    """Even shards only: uneven ones differ in shape from rank to rank, and uneven head shards
+    would pair query heads with the wrong KV heads."""
+    seq_ranks = _shards(mesh, cp_dims)
     if fields.get("q_seq_dim") is not None:
         seq_ranks *= mesh.shape[fields["q_seq_dim"]]
     if q.shape[SEQ] % seq_ranks:
@@ -147,27 +153,19 @@ def _check_divisible(q, k, mesh, cp_dims, fields) -> None:
             raise ValueError(f"q's {q.shape[HEADS]} heads split over {ranks} ranks must give each rank whole "
                              f"groups of the {k.shape[HEADS]} KV heads, or a part of one group; got {local} query "
                              f"heads per rank with {group} query heads per KV head")
-
-
-def _check_even(q, k, mesh, batch_dims, head_dims) -> None:
-    """Batch and head shards must be even: uneven ones differ in shape from rank to rank, and uneven
-    head shards would pair query heads with the wrong KV heads."""
-    batch_ranks = math.prod(mesh.shape[d] for d in batch_dims)
     if q.shape[BATCH] % batch_ranks:
         raise ValueError(f"the batch size {q.shape[BATCH]} must be a multiple of {batch_ranks}, the number of batch "
                          f"shards on {_mesh_name(mesh)}")
-    head_ranks = math.prod(mesh.shape[d] for d in head_dims)
     if q.shape[HEADS] % head_ranks or k.shape[HEADS] % head_ranks:
         raise ValueError(f"q's {q.shape[HEADS]} heads and k's and v's {k.shape[HEADS]} must each be a multiple of "
                          f"{head_ranks}, the number of head shards on {_mesh_name(mesh)}, so that every rank holds "
                          f"the KV heads of its query heads")
 
 
-def _cp_group_shapes(q, k, v, mesh, batch_dims, head_dims, fields):
+def _cp_group_shapes(q, k, v, mesh, batch_ranks, head_ranks, fields):
     """q, k, v as the context-parallel ranks see them (stand-ins with a shape and a dtype): batch and
     heads cut by the other mesh dims that split them, which the strategies' costs and rules are about."""
-    batch = q.shape[BATCH] // math.prod(mesh.shape[d] for d in batch_dims)
-    head_ranks = math.prod(mesh.shape[d] for d in head_dims)
+    batch = q.shape[BATCH] // batch_ranks
     h_q, h_kv = q.shape[HEADS] // head_ranks, k.shape[HEADS] // head_ranks
     if fields.get("kv_head_dim") is not None:
         ranks = mesh.shape[fields["kv_head_dim"]]

@@ -172,18 +172,24 @@ OPAQUE_ATTENTION = (torch.nn.functional.multi_head_attention_forward, torch._tra
                     torch._native_multi_head_attention)
 
 
-def _hidden_attention(gm: GraphModule):
-    """Attention the passes do not see, described, or None: an op that runs one inside it
-    (``nn.MultiheadAttention``, ``TransformerEncoderLayer``'s fast path) or a site inside a
-    subgraph (activation checkpointing and other higher-order ops)."""
+def _not_distributed(gm: GraphModule, sites: list[Site]):
+    """Attention that would run locally, described, or None: a site left as it was or routed to
+    flex_attention, an op that runs one inside it (``nn.MultiheadAttention``,
+    ``TransformerEncoderLayer``'s fast path), or a site inside a subgraph (activation
+    checkpointing and other higher-order ops), which the passes do not see."""
+    left = [site for site in sites if site.op != "attn_cp.attention"]
+    if left:
+        return f"{left[0]} " + ("runs as flex_attention, which is not distributed" if left[0].rewritten
+                                else "could not be rewritten")
+    unseen = "where the passes cannot rewrite it"
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in OPAQUE_ATTENTION:
-            return f"{location_of(node) or node.name} runs inside {node.target.__name__}"
+            return f"{location_of(node) or node.name} runs inside {node.target.__name__}, {unseen}"
     for name, sub in gm.named_modules():
         if sub is not gm and isinstance(sub, GraphModule):
             for node in sub.graph.nodes:
                 if any(find(node) is not None for find in FINDERS):
-                    return f"{location_of(node) or node.name} is inside the subgraph {name}"
+                    return f"{location_of(node) or node.name} is inside the subgraph {name}, {unseen}"
     return None
 
 
@@ -192,16 +198,10 @@ def distribute_attention(gm: GraphModule, sites: list[Site], *, mesh=None, layou
     """Rewrite in place every attention op of ``gm`` whose inputs are sharded; ``sites`` are the
     attention passes' reports, checked for sites left as they were when ``mesh`` is given."""
     if mesh is not None:
-        left = [site for site in sites if site.op != "attn_cp.attention"]
-        if left:
-            became = ("runs as flex_attention, which is not distributed" if left[0].rewritten
-                      else "could not be rewritten")
-            raise ValueError(f"options['mesh'] makes q, k, v sequence shards, but attention at {left[0]} {became}, "
-                             f"and run locally it would see only this rank's keys")
-        hidden = _hidden_attention(gm)
-        if hidden:
-            raise ValueError(f"options['mesh'] makes q, k, v sequence shards, but attention at {hidden}, where the "
-                             f"passes cannot rewrite it, and run locally it would see only this rank's keys")
+        local = _not_distributed(gm, sites)
+        if local:
+            raise ValueError(f"options['mesh'] makes q, k, v sequence shards, but attention at {local}, and run "
+                             f"locally it would see only this rank's keys")
     groups = process_groups(mesh) if mesh is not None else None
     done = []
     for node in list(gm.graph.nodes):

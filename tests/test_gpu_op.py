@@ -84,15 +84,21 @@ def test_plain_shapes_use_fused_kernels():
     assert select_kernel(q, k, v, is_causal=True, q_offset=64) == "triton"
 
 
-def _hf_style_attention(q, k, v, padding, window):
-    """SDPA with the mask a Hugging Face model builds: causal from arange comparisons, a sliding
-    window, the (B, S) padding mask; the passes turn it back into structure."""
-    i = torch.arange(q.shape[2], device=q.device)
+def _hf_mask(seq, padding, window, device):
+    """The mask a Hugging Face model builds: causal from arange comparisons, a sliding window, the
+    (B, S) padding mask."""
+    i = torch.arange(seq, device=device)
     mask = i[None, :] <= i[:, None]
     if window is not None:
         mask = mask & (i[None, :] > i[:, None] - window)
     if padding is not None:
         mask = mask[None, None] & padding[:, None, None, :].bool()
+    return mask
+
+
+def _hf_style_attention(q, k, v, padding, window):
+    """SDPA with that mask; the passes turn it back into structure."""
+    mask = _hf_mask(q.shape[2], padding, window, q.device)
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
@@ -112,21 +118,17 @@ def test_cuda_graphs_replay_the_op(padding, window, kernel):
         q = torch.randn(2, 8, seq, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         k, v = (torch.randn(2, 2, seq, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                 for _ in range(2))
-        lengths = torch.ones(2, seq, dtype=torch.long, device="cuda")
-        lengths[1, seq - 8 * (step + 1):] = 0  # fewer than the window: every query sees a key
-        key_padding = lengths if padding else None
+        attention_mask = torch.ones(2, seq, dtype=torch.long, device="cuda")
+        attention_mask[1, seq - 8 * (step + 1):] = 0  # fewer than the window: every query sees a key
+        key_padding = attention_mask if padding else None
         out = compiled(q, k, v, key_padding, window)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
         q64, k64, v64 = (x.detach().cpu().double().requires_grad_() for x in (q, k, v))
-        i = torch.arange(seq)
-        visible = (i[None, :] <= i[:, None]) & ((i[None, :] > i[:, None] - window) if window else True)
-        if padding:
-            visible = visible[None, None] & lengths.cpu()[:, None, None, :].bool()
-        want = naive_attention(q64, k64, v64, attn_mask=visible)
+        want = naive_attention(q64, k64, v64, attn_mask=_hf_mask(seq, key_padding, window, "cuda").cpu())
         want_grads = torch.autograd.grad(want, (q64, k64, v64), dout.cpu().double())
         errors = [rel_err(out.cpu(), want)] + [rel_err(g.cpu(), w) for g, w in zip(grads, want_grads)]
         assert max(errors) <= TOL, (step, errors)
     assert select_kernel(q, k, v, is_causal=True, window=(window - 1 if window else -1, -1),
-                         key_padding_mask=lengths.bool() if padding else None) == kernel
+                         key_padding_mask=attention_mask.bool() if padding else None) == kernel
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
