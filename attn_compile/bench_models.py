@@ -2,14 +2,17 @@
 without the attention rewrite (backend="inductor" by default), side by side.
 
 Stacks: Llama-3-8B-shaped and Mistral-7B-shaped (``LlamaModel``/``MistralModel``, random weights,
-4 layers, bf16, batch 2 with the second row right-padded by 1/8, S = 4096 and 8192). The Mistral
-stack uses a 1024-token sliding window (the window of ../shared/BASELINES.md). Measured, as medians
-of ``triton.testing.do_bench``:
+4 layers, bf16, batch 2, S = 4096 and 8192). The Mistral stack uses a 1024-token sliding window
+(the window of ../shared/BASELINES.md). Inputs (``--inputs``): ``padding``, an attention mask with
+the second row right-padded by 1/8; or ``packed``, Hugging Face's training input for packed
+sequences: position_ids that restart at each document (row 0: documents of 1/2, 1/4, 1/8 and 1/8
+of S; row 1: 3/8 and 5/8), no attention mask. Measured, as medians of ``triton.testing.do_bench``:
 
 - attention: Hugging Face's own mask construction and SDPA integration (repeat_kv, the explicit
   bool mask) on (B, H, S, D) q, k, v laid out as the model's projections give them (transposed
   (B, S, H, D) memory), forward and forward+backward;
-- step: the whole stack, forward and backward of a mean-square loss of its output.
+- step: the whole stack, forward and backward of a mean-square loss of its output (with
+  ``--checkpointing``, each layer in an activation checkpoint, recomputed in the backward).
 
 ``--tiny`` runs small one-layer shapes on the CPU with a wall-clock median instead: a smoke test. transformers
 and triton are imported only when a benchmark runs.
@@ -35,18 +38,22 @@ _TINY = {"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128, "n
 TINY_SHAPES = {"llama3-8b": _TINY, "mistral-7b": {**_TINY, "sliding_window": 16}}
 
 
-def _model(name: str, dims: dict, seq: int, device, dtype):
+def _model(name: str, dims: dict, seq: int, device, dtype, checkpointing: bool):
     import transformers
 
     config_cls, model_cls = ((transformers.LlamaConfig, transformers.LlamaModel) if name.startswith("llama") else
                              (transformers.MistralConfig, transformers.MistralModel))
     config = config_cls(max_position_embeddings=seq, **dims)
     config._attn_implementation = "sdpa"
-    return model_cls(config).to(device=device, dtype=dtype)
+    model = model_cls(config).to(device=device, dtype=dtype)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
 
 
 def _hf_attention(model) -> Callable:
-    """q, k, v, 2-D padding mask -> attention output, through HF's mask and SDPA code for this model."""
+    """q, k, v, the inputs' mask arguments -> attention output, through HF's mask and SDPA code for
+    this model."""
     from transformers import masking_utils
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -54,13 +61,23 @@ def _hf_attention(model) -> Callable:
     make_mask = (masking_utils.create_sliding_window_causal_mask if getattr(config, "sliding_window", None)
                  else masking_utils.create_causal_mask)
 
-    def attention(q, k, v, padding):
+    def attention(q, k, v, masking: dict):
         embeds = q.transpose(1, 2)  # (B, S, ...): the mask helpers read batch, length, dtype and device
-        positions = torch.arange(q.shape[2], device=q.device)[None]
-        mask = make_mask(config=config, inputs_embeds=embeds, attention_mask=padding, past_key_values=None,
-                         position_ids=positions)
+        mask = make_mask(config=config, inputs_embeds=embeds, past_key_values=None, **masking)
         return sdpa_attention_forward(module, q, k, v, mask, scaling=module.scaling)[0]
     return attention
+
+
+def _masking(inputs: str, seq: int, device) -> dict:
+    """The model's mask arguments for ``inputs`` (the module docstring): attention_mask and
+    position_ids."""
+    if inputs == "packed":
+        rows = [(4, 2, 1, 1), (3, 5)]  # document lengths in eighths of seq
+        positions = [torch.cat([torch.arange(n * seq // 8) for n in row]) for row in rows]
+        return {"attention_mask": None, "position_ids": torch.stack(positions).to(device)}
+    padding = torch.ones(BATCH, seq, dtype=torch.long, device=device)
+    padding[1, seq - seq // 8:] = 0
+    return {"attention_mask": padding, "position_ids": torch.arange(seq, device=device)[None]}
 
 
 def _as_projected(batch, heads, seq, head_dim, device, dtype):
@@ -86,28 +103,27 @@ def _timer(device) -> Callable[[Callable], float]:
     return wall_clock_median
 
 
-def _measure(compile_fn, model, dims: dict, seq: int, device, dtype, timer) -> dict:
+def _measure(compile_fn, model, dims: dict, masking: dict, device, dtype, timer) -> dict:
     """Milliseconds of attention fwd, attention fwd+bwd and the step, for one way of compiling."""
     torch.manual_seed(0)
     heads, kv_heads = dims["num_attention_heads"], dims["num_key_value_heads"]
     head_dim = dims["hidden_size"] // heads
+    seq = masking["position_ids"].shape[1]
     q, k, v = (_as_projected(BATCH, n, seq, head_dim, device, dtype) for n in (heads, kv_heads, kv_heads))
-    padding = torch.ones(BATCH, seq, dtype=torch.long, device=device)
-    padding[1, seq - seq // 8:] = 0
     ids = torch.randint(0, dims["vocab_size"], (BATCH, seq), device=device)
 
     attention = compile_fn(_hf_attention(model))
-    out = attention(q, k, v, padding)
+    out = attention(q, k, v, masking)
     dout = torch.randn_like(out)
     stack = compile_fn(model)
     params = list(model.parameters())
 
     def step():
-        hidden = stack(input_ids=ids, attention_mask=padding, use_cache=False).last_hidden_state
+        hidden = stack(input_ids=ids, use_cache=False, **masking).last_hidden_state
         return torch.autograd.grad(hidden.float().square().mean(), params)
 
-    runs = {"attention fwd": lambda: attention(q, k, v, padding),
-            "attention fwd+bwd": lambda: torch.autograd.grad(attention(q, k, v, padding), (q, k, v), dout),
+    runs = {"attention fwd": lambda: attention(q, k, v, masking),
+            "attention fwd+bwd": lambda: torch.autograd.grad(attention(q, k, v, masking), (q, k, v), dout),
             "step fwd+bwd": step}
     times = {}
     for measure, run in runs.items():
@@ -123,6 +139,10 @@ def main(argv=None) -> int:
                         help="the baseline backend, and attn_cp's inner compiler")
     parser.add_argument("--seq", type=int, nargs="+", help="sequence lengths (default 4096 8192; --tiny: 32)")
     parser.add_argument("--models", nargs="+", choices=tuple(SHAPES), default=tuple(SHAPES), help="stacks to run")
+    parser.add_argument("--inputs", choices=("padding", "packed"), default="padding",
+                        help="padding: an attention mask, a row right-padded; packed: position_ids of packed "
+                             "documents, no attention mask")
+    parser.add_argument("--checkpointing", action="store_true", help="each layer in an activation checkpoint")
     parser.add_argument("--mode", choices=("reduce-overhead", "max-autotune-no-cudagraphs"),
                         help="torch.compile mode for both sides (reduce-overhead: CUDA graphs, no per-call host time)")
     args = parser.parse_args(argv)
@@ -139,16 +159,18 @@ def main(argv=None) -> int:
         "attn_cp": lambda fn: (torch.compile(fn, backend="attn_cp", mode=args.mode) if args.mode else
                                torch.compile(fn, backend="attn_cp", options={"inner": args.compiler})),
     }
-    print(f"batch {BATCH}, {dtype}, {device}, mode {args.mode}; times in ms (medians)")
+    print(f"batch {BATCH}, {dtype}, {device}, inputs {args.inputs}, checkpointing {args.checkpointing}, "
+          f"mode {args.mode}; times in ms (medians)")
     print(f"{'model':<12}{'layers':>7}{'S':>6}  {'measure':<20}{args.compiler:>12}{'attn_cp':>12}{'speedup':>9}")
     for name in args.models:
         dims = shapes[name]
         for seq in seqs:
             torch._dynamo.reset()
-            model = _model(name, dims, seq, device, dtype)
+            model = _model(name, dims, seq, device, dtype, args.checkpointing)
+            masking = _masking(args.inputs, seq, device)
             report = explain(model, input_ids=torch.randint(0, dims["vocab_size"], (BATCH, seq), device=device),
-                             attention_mask=torch.ones(BATCH, seq, dtype=torch.long, device=device), use_cache=False)
-            results = {backend: _measure(compile_fn, model, dims, seq, device, dtype, timer)
+                             use_cache=False, **masking)
+            results = {backend: _measure(compile_fn, model, dims, masking, device, dtype, timer)
                        for backend, compile_fn in backends.items()}
             for measure in results["attn_cp"]:
                 base, ours = results[args.compiler][measure], results["attn_cp"][measure]

@@ -8,14 +8,16 @@ flex_attention mask_mod (flex_mask.py), drop ``.contiguous()`` copies of
 q, k, v (layouts.py). The refinements are independent, so their order is only the order of the
 site's notes. The final call is checked against the op's argument rules and emitted in place of
 the site; the nodes it no longer needs (the mask, the copies, the softmax chain) are erased. A site
-that fails a check stays exactly as it was, with the reason in its Site.
+that fails a check stays exactly as it was, with the reason in its Site. The bodies of activation
+checkpoints are rewritten the same way (checkpoint.py).
 """
 import logging
 
 from torch.fx import GraphModule
 
-from . import matmul_softmax, sdpa
+from . import checkpoint, matmul_softmax, sdpa
 from .call import AttentionCall, Left, emit, kernel_of, why_invalid
+from .checkpoint import localize
 from .flex_mask import emit_flex
 from .layouts import drop_contiguous_copies
 from .mask_structure import infer_mask_structure
@@ -39,9 +41,9 @@ def _shapes(tensors: dict) -> dict:
     return shapes
 
 
-def _left(graph, found: Left, made=()) -> Site:
+def _left(found: Left, made=()) -> Site:
     """The site as it stays; ``made``: nodes a finder or refinement added, erased if unused."""
-    erase_unused(graph, made)
+    erase_unused(made)
     return Site(found.anchor.name, location_of(found.anchor), _shapes(found.tensors), rewritten=False,
                 reason=found.reason)
 
@@ -54,13 +56,13 @@ def _rewrite(graph, found: AttentionCall) -> Site:
     made = [node for c in calls for node in c.tensors().values()]
     reason = why_invalid(call) or _slower_than_as_is(call)
     if reason is not None:
-        return _left(graph, Left(found.anchor, reason, found.tensors()), made)
+        return _left(Left(found.anchor, reason, found.tensors()), made)
     flex = call.flex_mask is not None
     site = Site(found.anchor.name, location_of(found.anchor), _shapes(call.tensors()), rewritten=True,
                 op="flex_attention" if flex else "attn_cp.attention", kernel=kernel_of(call), notes=list(call.notes))
     inputs = found.anchor.all_input_nodes
-    (emit_flex if flex else emit)(graph, call)
-    erase_unused(graph, made + inputs)
+    (emit_flex if flex else emit)(graph, localize(graph, call))
+    erase_unused(made + inputs)
     return site
 
 
@@ -86,23 +88,33 @@ class PassFailure(RuntimeError):
     """An unexpected error inside the passes, with the node it happened at."""
 
 
-def rewrite_attention(gm: GraphModule) -> list[Site]:
-    """Rewrite every attention site of ``gm`` in place; one Site per site found, logged. An
-    unexpected error raises PassFailure naming the node, and may leave ``gm`` half rewritten:
-    callers that want to go on run this on a copy."""
+def _rewrite_graph(graph) -> list[Site]:
     sites = []
-    for node in list(gm.graph.nodes):
+    for node in list(graph.nodes):
         try:
             found = _find(node)
             if found is None:
                 continue
-            site = _left(gm.graph, found) if isinstance(found, Left) else _rewrite(gm.graph, found)
+            site = _left(found) if isinstance(found, Left) else _rewrite(graph, found)
         except Exception as error:
             raise PassFailure(f"at {location_of(node) or node.name} ({node.name}): {type(error).__name__}: "
                               f"{error}") from error
         log.info("%s %s", "rewrote" if site.rewritten else "left", site)
         sites.append(site)
-    gm.recompile()
+    return sites
+
+
+def rewrite_attention(gm: GraphModule) -> list[Site]:
+    """Rewrite every attention site of ``gm`` in place, and of the bodies of its activation
+    checkpoints (which become gm's own copies); one Site per site found, logged. An unexpected error
+    raises PassFailure naming the node, and may leave ``gm`` half rewritten: callers that want to go
+    on run this on a copy."""
+    checkpoint.own_bodies(gm)
+    with checkpoint.linked(gm) as checkpoints:
+        sites = [site for module in checkpoint.with_bodies(gm) for site in _rewrite_graph(module.graph)]
+        checkpoint.drop_unused_inputs(checkpoints)
+    for module in checkpoint.with_bodies(gm):
+        module.recompile()
     return sites
 
 

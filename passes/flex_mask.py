@@ -37,14 +37,18 @@ from .sdpa import SDPA
 from .shapes import example_tensor, hinted_shape, known_equal
 
 
-
 @dataclasses.dataclass(frozen=True)
 class FlexMask:
     formula: object  # True = the key is visible
-    data: tuple[Node, ...]  # the tensors the formula reads, in the order the call passes them
+    data: tuple[Node, ...]  # the tensors the formula reads (_sources), as the call passes them
 
     def __str__(self) -> str:
         return f"flex_attention mask_mod {self.formula}"
+
+
+def _sources(formula) -> list[Node]:
+    """The tensors the formula reads, in the order the call passes them."""
+    return list(dict.fromkeys(g.source for g in gathers_of(formula)))
 
 
 class FlexAttention:
@@ -54,7 +58,7 @@ class FlexAttention:
 
     def __init__(self, mask: FlexMask, scale: Optional[float], enable_gqa: bool):
         self.formula, self.scale, self.enable_gqa = mask.formula, scale, enable_gqa
-        self.positions = {node: p for p, node in enumerate(mask.data)}
+        self.positions = {node: p for p, node in enumerate(_sources(mask.formula))}
         self.axes = axes_of(mask.formula)
 
     def __call__(self, q, k, v, *data):
@@ -140,7 +144,7 @@ def to_flex(call: AttentionCall, formula, hiding, why_unstructured: Unsupported)
     mask stays: why it has no structure, and why flex_attention does not fit either."""
     if call.is_causal:  # SDPA's is_causal with a mask: both hide keys
         formula = all_of((formula, Le(Affine.index(J) - Affine.index(I))))
-    data = list(dict.fromkeys(g.source for g in gathers_of(formula)))
+    data = _sources(formula)
     reason = _why_not(call, formula, hiding, data)
     if reason is not None:
         return call.noted(f"mask kept: {why_unstructured}").noted(f"not flex_attention: {reason}")

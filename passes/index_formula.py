@@ -145,6 +145,17 @@ class Gather:
         return f"{self.source.name}[{', '.join(map(str, self.index))}]"
 
 
+@dataclasses.dataclass(frozen=True)
+class Offset:
+    """gather + constant: an integer data element shifted, e.g. ``position_ids[b, i] - 4``."""
+
+    gather: Gather
+    constant: int
+
+    def __str__(self) -> str:
+        return f"{self.gather} {'-' if self.constant < 0 else '+'} {abs(self.constant)}"
+
+
 COMPARISONS = {"le": operator.le, "lt": operator.lt, "ge": operator.ge, "gt": operator.gt, "eq": operator.eq,
                "ne": operator.ne}
 _NEGATED = {"le": "gt", "lt": "ge", "ge": "lt", "gt": "le", "eq": "ne", "ne": "eq"}
@@ -173,6 +184,13 @@ class Select:
 
     def __str__(self) -> str:
         return f"where({self.cond}, {self.if_true}, {self.if_false})"
+
+
+def compare_integers(op: str, a: Affine, b: Affine):
+    """``a op b`` of two integer values as an atom over a - b."""
+    diff = a - b
+    return {"le": Le(diff), "lt": Le(diff + 1), "ge": Le(-diff), "gt": Le(-diff + 1), "eq": Eq(diff),
+            "ne": negate(Eq(diff))}[op]
 
 
 def all_of(terms) -> object:
@@ -208,6 +226,8 @@ def substitute(expr, mapping: dict):
         return Not(substitute(expr.term, mapping))
     if isinstance(expr, Gather):
         return Gather(expr.source, tuple(substitute(a, mapping) for a in expr.index))
+    if isinstance(expr, Offset):
+        return Offset(substitute(expr.gather, mapping), expr.constant)
     if isinstance(expr, Compare):
         return Compare(expr.op, substitute(expr.left, mapping), substitute(expr.right, mapping))
     if isinstance(expr, Select):
@@ -260,6 +280,8 @@ def axes_of(expr) -> set:
         return axes_of(expr.term)
     if isinstance(expr, Gather):
         return set().union(*map(axes_of, expr.index))
+    if isinstance(expr, Offset):
+        return axes_of(expr.gather)
     if isinstance(expr, Compare):
         return axes_of(expr.left) | axes_of(expr.right)
     if isinstance(expr, Select):
@@ -271,6 +293,8 @@ def gathers_of(formula) -> list:
     """The data elements a boolean formula reads, in the order read."""
     if isinstance(formula, Gather):
         return [formula]
+    if isinstance(formula, Offset):
+        return [formula.gather]
     if isinstance(formula, Compare):
         return gathers_of(formula.left) + gathers_of(formula.right)
     if isinstance(formula, (And, Or)):
@@ -310,6 +334,8 @@ def evaluate(expr, index: dict, gather: Callable[[Gather, list], torch.Tensor]):
         return not term if isinstance(term, bool) else ~term
     if isinstance(expr, Gather):
         return gather(expr, [ev(a) for a in expr.index])
+    if isinstance(expr, Offset):
+        return ev(expr.gather) + expr.constant
     if isinstance(expr, Compare):
         return COMPARISONS[expr.op](ev(expr.left), ev(expr.right))
     if isinstance(expr, Select):

@@ -8,8 +8,9 @@ Pattern: a mask (bool, or additive ``where(cond, 0, -inf or the dtype's minimum)
     padding[b, j]        (a (B, S_k) bool tensor read at the batch and key index: key padding)
     ids[b, i] == ids[b, j]  (a (B, S) tensor of document ids: packed documents, run as varlen)
 and of conditions true for every index (``q >= 0``). mask_trace.py reads the mask's subgraph as a
-formula; ``classify`` maps its terms to a Structure, which mask_proof.py checks against the formula
-before anything is rewritten.
+formula; position_runs.py turns comparisons of positions within a run of them (Hugging Face's
+packed sequences) into comparisons of indices; ``classify`` maps the terms to a Structure, which
+mask_proof.py checks against the formula before anything is rewritten.
 
 A formula outside these classes (an OR of conditions, a chunked mask, a mask that depends on the
 head, a window that excludes the query's own position, ...) goes to flex_mask.py, which runs it as
@@ -30,10 +31,12 @@ from torch.fx import Node
 
 from .call import AttentionCall, empty_row_note
 from .flex_mask import to_flex
-from .index_formula import B, HARD_NEGATIVES, I, J, Affine, Compare, Eq, Gather, Le, Number, Select, conjuncts, negate
+from .index_formula import (B, HARD_NEGATIVES, I, J, Affine, Compare, Eq, Gather, Le, Number, Select, all_of,
+                            conjuncts, negate)
 from .mask_proof import prove
 from .mask_trace import MaskTracer, Unsupported, fixed_unit_axes
 from .nodes import is_mutated
+from .position_runs import as_index_comparisons
 from .shapes import example_tensor, hinted_shape, known_shape
 
 
@@ -59,10 +62,10 @@ class Structure:
         return " + ".join(parts) or "every key visible"
 
 
-def mask_formula(mask: Node) -> tuple:
+def mask_formula(mask: Node, tracer: MaskTracer) -> tuple:
     """The mask's element (b, h, i, j) as a boolean formula (True = the key is visible), and the
     value that hides a key if the mask is additive (None for a bool mask)."""
-    sym = MaskTracer().trace(mask)
+    sym = tracer.trace(mask)
     if sym.dtype != torch.bool and not sym.dtype.is_floating_point:
         raise Unsupported(f"mask of dtype {sym.dtype}")
     if len(sym.shape) > 4:
@@ -98,11 +101,15 @@ def _bounds(atom: Le, left, right):
     raise Unsupported(f"'{atom}' is not a causal or sliding-window bound")
 
 
-def _is_key_padding(atom) -> bool:
-    return isinstance(atom, Gather) and atom.index == (Affine.index(B), Affine.index(J))
+def _is_key_padding(atom, rows) -> bool:
+    return isinstance(atom, Gather) and len(atom.index) == 2 and atom.index[0] in rows and \
+        atom.index[1] == Affine.index(J)
 
 
-def classify(formula) -> Structure:
+def classify(formula, batch_of_one: bool = False) -> Structure:
+    """``batch_of_one``: the batch has one row, so a tensor's row 0 is row b (a mask of batch 1
+    reads its data at row 0)."""
+    rows = (Affine.index(B), Affine()) if batch_of_one else (Affine.index(B),)
     left = right = None
     padding, documents = set(), set()
     for atom in conjuncts(formula):
@@ -113,11 +120,11 @@ def classify(formula) -> Structure:
             left, right = _bounds(atom, left, right)
         elif isinstance(atom, Eq):
             left, right = _bounds(Le(-atom.value), *_bounds(Le(atom.value), left, right))
-        elif _is_key_padding(atom):
+        elif _is_key_padding(atom, rows):
             padding.add(atom.source)
         elif isinstance(atom, Gather):
             raise Unsupported(f"the mask reads data, {atom}: only key padding [b, j] is structured")
-        elif isinstance(atom, Compare) and _is_document_mask(atom):
+        elif isinstance(atom, Compare) and _is_document_mask(atom, rows):
             documents.add(atom.left.source)
         elif isinstance(atom, Compare) and Gather in {type(atom.left), type(atom.right)}:
             raise Unsupported(f"the mask compares data, '{atom}': only key padding [b, j] is structured")
@@ -133,17 +140,17 @@ def classify(formula) -> Structure:
     return Structure(left, right, next(iter(padding), None), next(iter(documents), None))
 
 
-def _per_token(side) -> Optional[int]:
-    """The axis (i or j) at which ``side`` reads a per-token tensor ids[b, axis], else None."""
-    if isinstance(side, Gather) and len(side.index) == 2 and side.index[0] == Affine.index(B):
+def _per_token(side, rows) -> Optional[int]:
+    """The axis (i or j) at which ``side`` reads a per-token tensor ids[row, axis], else None."""
+    if isinstance(side, Gather) and len(side.index) == 2 and side.index[0] in rows:
         return next((axis for axis in (I, J) if side.index[1] == Affine.index(axis)), None)
     return None
 
 
-def _is_document_mask(atom: Compare) -> bool:
+def _is_document_mask(atom: Compare, rows) -> bool:
     """ids[b, i] == ids[b, j]: query and key in the same document."""
-    return (atom.op == "eq" and {_per_token(atom.left), _per_token(atom.right)} == {I, J}
-            and atom.left.source is atom.right.source)
+    return (atom.op == "eq" and {_per_token(atom.left, rows), _per_token(atom.right, rows)} == {I, J}
+            and atom.left.source is atom.right.source and atom.left.index[0] == atom.right.index[0])
 
 
 def _check_key_padding(node: Node, call: AttentionCall) -> None:
@@ -167,17 +174,19 @@ def _check_documents(node: Node, call: AttentionCall) -> None:
 def infer_mask_structure(call: AttentionCall) -> AttentionCall:
     if call.attn_mask is None:
         return call
+    tracer = MaskTracer()
     try:
-        formula, hiding = mask_formula(call.attn_mask)
+        formula, hiding = mask_formula(call.attn_mask, tracer)
     except Unsupported as why:
         return call.noted(f"mask kept: {why}")
+    formula = all_of(as_index_comparisons(conjuncts(formula), tracer.trace))
     try:
-        structure = classify(formula)
+        q, k = hinted_shape(example_tensor(call.q)), hinted_shape(example_tensor(call.k))
+        structure = classify(formula, batch_of_one=q[0] == 1)
         if structure.key_padding is not None:
             _check_key_padding(structure.key_padding, call)
         if structure.documents is not None:
             _check_documents(structure.documents, call)
-        q, k = hinted_shape(example_tensor(call.q)), hinted_shape(example_tensor(call.k))
         prove(formula, structure, q[0], q[2], k[2])
     except Unsupported as why:
         return to_flex(call, formula, hiding, why)

@@ -17,9 +17,10 @@ from typing import Callable
 import torch
 from torch.fx import Node
 
-from .index_formula import (COMPARISONS, Affine, And, Compare, Division, Eq, Gather, Le, Not, Number, Or, Select,
-                            all_of, any_of, negate, substitute)
-from .nodes import argument, is_mutated, op_of
+from .checkpoint import passed_in
+from .index_formula import (COMPARISONS, Affine, And, Compare, Division, Eq, Gather, Le, Not, Number, Offset, Or,
+                            Select, all_of, any_of, compare_integers, negate, substitute)
+from .nodes import argument, is_mutated, op_of, runs_of
 from .shapes import constant_int, example_tensor, held, known_equal
 
 
@@ -66,6 +67,22 @@ def _is_integer(expr) -> bool:
     return isinstance(expr, Affine) or (isinstance(expr, Number) and type(expr.value) is int)
 
 
+def _is_int(expr) -> bool:
+    return isinstance(expr, Number) and type(expr.value) is int
+
+
+def _is_integer_data(expr) -> bool:
+    """An element of an integer data tensor, or one shifted by a constant (``position_ids[b, i] - 4``)."""
+    if isinstance(expr, Offset):
+        return True
+    return isinstance(expr, Gather) and not example_tensor(expr.source).dtype.is_floating_point and \
+        example_tensor(expr.source).dtype != torch.bool
+
+
+def _shifted(data, constant: int) -> Offset:
+    return Offset(data.gather, data.constant + constant) if isinstance(data, Offset) else Offset(data, constant)
+
+
 def _as_affine(expr) -> Affine:
     return expr if isinstance(expr, Affine) else Affine((), expr.value)
 
@@ -76,6 +93,7 @@ class MaskTracer:
         self._index_fed: dict[Node, bool] = {}
 
     def trace(self, node: Node) -> Sym:
+        node = passed_in(node)
         if node not in self._syms:
             self._syms[node] = self._trace(node)
         return self._syms[node]
@@ -86,6 +104,9 @@ class MaskTracer:
             raise Unsupported(f"{node.name} is not a tensor")
         if node.op not in ("call_function", "call_method"):
             return _leaf(node, out)
+        positions = runs_of(node)
+        if positions is not None:
+            return self._document_ids(node, positions, out)
         handler = _HANDLERS.get(op_of(node))
         if handler is None:
             if self._fed_by_arange(node):
@@ -103,6 +124,14 @@ class MaskTracer:
                 raise
             return _leaf(node, out)
 
+    def _document_ids(self, node: Node, positions: Node, out: torch.Tensor) -> Sym:
+        """The runs of consecutive positions (position_runs.py): data, except that positions rising by
+        one along every row by their formula (an arange) are one run, numbered 0."""
+        rising = self.trace(positions).expr
+        if isinstance(rising, Affine) and rising.coefficient(-1) == 1:
+            return Sym(Affine(), tuple(out.shape), out.dtype)
+        return _leaf(node, out)
+
     def _fed_by_arange(self, node: Node) -> bool:
         stack = [node]
         while stack:
@@ -110,12 +139,13 @@ class MaskTracer:
             if n in self._index_fed:
                 stack.pop()
                 continue
-            pending = [i for i in n.all_input_nodes if i not in self._index_fed]
+            inputs = [passed_in(i) for i in n.all_input_nodes]
+            pending = [i for i in inputs if i not in self._index_fed]
             if pending:
                 stack.extend(pending)
                 continue
             stack.pop()
-            self._index_fed[n] = op_of(n) == "arange" or any(self._index_fed[i] for i in n.all_input_nodes)
+            self._index_fed[n] = op_of(n) == "arange" or any(self._index_fed[i] for i in inputs)
         return self._index_fed[node]
 
     def operand(self, arg, shape: tuple):
@@ -218,6 +248,10 @@ def _add(sign: int):
             return _as_affine(a) + _as_affine(b).scaled(sign)
         if isinstance(a, Number) and isinstance(b, Number):
             return Number(a.value + sign * b.value)
+        if _is_integer_data(a) and _is_int(b) and out.dtype in (torch.int32, torch.int64):
+            return _shifted(a, sign * b.value)
+        if sign == 1 and _is_int(a) and _is_integer_data(b) and out.dtype in (torch.int32, torch.int64):
+            return _shifted(b, a.value)
         if isinstance(a, Select) and isinstance(b, Number):
             return Select(a.cond, a.if_true + sign * b.value, a.if_false + sign * b.value)
         if isinstance(a, Number) and isinstance(b, Select):
@@ -264,10 +298,7 @@ def _compare(tracer, node, out):
     a, b = tracer.operands(node, out)
     _check_compared_constants(tracer, node)
     if _is_integer(a) and _is_integer(b):
-        diff = _as_affine(a) - _as_affine(b)
-        atoms = {"le": Le(diff), "lt": Le(diff + 1), "ge": Le(-diff), "gt": Le(-diff + 1), "eq": Eq(diff),
-                 "ne": negate(Eq(diff))}
-        return atoms[op]
+        return compare_integers(op, _as_affine(a), _as_affine(b))
     if isinstance(a, Number) and isinstance(b, Number):
         return Number(bool(COMPARISONS[op](a.value, b.value)))
     if isinstance(b, Number) and (isinstance(a, Select) or _is_formula(a)):

@@ -5,7 +5,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch.fx import Graph, Node
+from torch.fx import Node
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .shapes import example_tensor
@@ -31,7 +31,7 @@ _FUNCTIONS = {
     torch.tril: "tril", torch.triu: "triu",
     torch.transpose: "transpose", torch.permute: "permute",
     torch.unsqueeze: "unsqueeze", torch.squeeze: "squeeze", torch.reshape: "reshape", torch.flatten: "flatten",
-    torch.repeat_interleave: "repeat_interleave",
+    torch.repeat_interleave: "repeat_interleave", torch.cumsum: "cumsum", torch.diff: "diff",
     torch.arange: "arange", torch.zeros: "zeros", torch.ones: "ones", torch.full: "full",
     torch.zeros_like: "zeros_like", torch.ones_like: "ones_like", torch.tensor: "tensor",
     operator.getitem: "getitem",
@@ -68,6 +68,38 @@ def argument(node: Node, position: int, name: str, default=None):
     if name in node.kwargs:
         return node.kwargs[name]
     return node.args[position] if len(node.args) > position else default
+
+
+def _is_first_column(node, of: Node) -> bool:
+    """``of[:, :1]``."""
+    full, first = slice(None, None, None), slice(None, 1, None)
+    return op_of(node) == "getitem" and node.args[0] is of and node.args[1] in ((full, first), [full, first])
+
+
+def runs_of(node: Node) -> Optional[Node]:
+    """positions, where ``node`` numbers the runs of consecutive positions along each row of them,
+    ``(torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1).cumsum(-1)`` (Hugging
+    Face's document ids of packed sequences), neither of them edited in place, positions int32 or
+    int64 (whose values, positions of tokens, stay far from wrapping); else None."""
+    if op_of(node) != "cumsum" or argument(node, 1, "dim") not in (-1, 1):
+        return None
+    step = argument(node, 0, "input")
+    if op_of(step) != "ne" or argument(step, 1, "other") != 1:
+        return None
+    diff = argument(step, 0, "input")
+    if op_of(diff) != "diff" or argument(diff, 1, "n", 1) != 1 or argument(diff, 2, "dim", -1) not in (-1, 1) \
+            or argument(diff, 4, "append") is not None:
+        return None
+    positions, before = argument(diff, 0, "input"), argument(diff, 3, "prepend")
+    if op_of(before) != "sub" or argument(before, 1, "other") != 1 or \
+            not _is_first_column(argument(before, 0, "input"), positions):
+        return None
+    value = example_tensor(positions)
+    # narrower integers wrap: in uint8, 255 then 0 is a step of 1
+    if value is None or value.dim() != 2 or value.dtype not in (torch.int32, torch.int64) or is_mutated(node) or \
+            is_mutated(positions):
+        return None
+    return positions
 
 
 _INPLACE_OPERATORS = (operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
@@ -132,8 +164,9 @@ def mutated_between(node: Node, first: Node, last: Node) -> bool:
     return any(first < m < last for m in _mutations(node))
 
 
-def erase_unused(graph: Graph, nodes) -> None:
-    """Erase the given nodes, and then their inputs, as far as they have no users left and no effects."""
+def erase_unused(nodes) -> None:
+    """Erase the given nodes, and then their inputs, as far as they have no users left and no effects
+    (each from its own graph: a checkpoint body's site also reads nodes of the graph around it)."""
     stack, erased = [n for n in nodes if isinstance(n, Node)], set()
     while stack:
         node = stack.pop()
@@ -142,5 +175,5 @@ def erase_unused(graph: Graph, nodes) -> None:
         if mutates(node) or node.is_impure():
             continue
         stack.extend(node.all_input_nodes)
-        graph.erase_node(node)
+        node.graph.erase_node(node)
         erased.add(node)

@@ -20,15 +20,18 @@ from torch.fx import GraphModule, Node
 from torch.fx.operator_schemas import normalize_function
 
 from .. import cost_model, ops
-from ..cp import api  # noqa: F401  (registers attn_cp::context_parallel_attention)
+from ..cp import api as _api, positions as _positions  # noqa: F401  (register the attn_cp ops)
 from ..cp.comm import process_groups
 from ..planner import HEADS, SEQ, kv_head_slice, plan
 from .shapes import example_tensor, hinted_meta, hinted_shape
 from . import FINDERS
+from .checkpoint import drop_unused_inputs, linked, passed_in, with_bodies
+from .nodes import erase_unused, runs_of
 from .site import Site, location_of
 
 ATTENTION = ops.attention._opoverload
 CONTEXT_PARALLEL = torch.ops.attn_cp.context_parallel_attention.default
+CHECK_ONE_SEQUENCE = torch.ops.attn_cp.check_one_sequence.default
 
 
 @dataclasses.dataclass
@@ -154,17 +157,38 @@ def _distribute_dtensor(graph, node, a, strategy, hardware) -> Distributed:
     return Distributed(node.name, placements, p.describe(), p.table)
 
 
-def _distribute_shards(graph, node, a, groups, layout, strategy, hardware) -> Distributed:
+def _check_one_sequence(runs: Node, positions: Node, group_names: list, layout: str) -> None:
+    """After the positions' runs (Hugging Face's document ids): the check that the positions'
+    shards make one sequence per row (cp/positions.py), asserted so that the graph keeps it."""
+    graph = runs.graph
+    with graph.inserting_after(runs):
+        ok = graph.call_function(CHECK_ONE_SEQUENCE, (positions, list(group_names), layout))
+    with graph.inserting_after(ok):
+        graph.call_function(torch.ops.aten._assert_async.msg, (ok, "the position_ids are not one sequence per row"))
+
+
+def _distribute_shards(graph, node, a, groups, layout, strategy, hardware, checked: set) -> Distributed:
+    """``checked``: the positions whose check is in the graph already."""
+    names = [g.group_name for g in groups]
+    documents = a["document_ids"]
+    positions = None if documents is None else runs_of(passed_in(documents))
+    if positions is not None:  # documents that are runs of positions: one sequence, if the check passes
+        if positions not in checked:
+            _check_one_sequence(passed_in(documents), positions, names, layout)
+            checked.add(positions)
+        a = {**a, "document_ids": None}
     _check_positional_masking(node, a, "sequence shards on options['mesh']")
     q, k, v = (hinted_meta(example_tensor(a[name])) for name in ("q", "k", "v"))
     problem = cost_model.Problem.of_shards(q, k, v, is_causal=a["is_causal"], window=_window(a), layout=layout,
                                            mesh_shape=[g.size() for g in groups])
     best, table = cost_model.choose(problem, hardware, strategy)
-    names = [g.group_name for g in groups]
     _replace(graph, node, lambda: _context_parallel(graph, a, a["q"], a["k"], a["v"], best, names,
                                                     _scale(a, q), layout))
+    erase_unused([documents])
+    checked_positions = "" if positions is None else f"; the document ids are runs of {positions.name}, checked " \
+                                                     f"to be one sequence per row"
     return Distributed(node.name, f"sequence shards ({layout}) on a mesh of {problem.mesh_shape}",
-                       f"context parallel: {best}", table)
+                       f"context parallel: {best}{checked_positions}", table)
 
 
 # ops that run a whole attention inside them, out of the passes' sight
@@ -172,47 +196,57 @@ OPAQUE_ATTENTION = (torch.nn.functional.multi_head_attention_forward, torch._tra
                     torch._native_multi_head_attention)
 
 
+def _is_opaque(node: Node) -> bool:
+    return node.op == "call_function" and node.target in OPAQUE_ATTENTION
+
+
 def _not_distributed(gm: GraphModule, sites: list[Site]):
     """Attention that would run locally, described, or None: a site left as it was or routed to
     flex_attention, an op that runs one inside it (``nn.MultiheadAttention``,
-    ``TransformerEncoderLayer``'s fast path), or a site inside a subgraph (activation
-    checkpointing and other higher-order ops), which the passes do not see."""
+    ``TransformerEncoderLayer``'s fast path), or a site inside the subgraph of a higher-order op
+    other than activation checkpointing, which the passes do not see."""
     left = [site for site in sites if site.op != "attn_cp.attention"]
     if left:
         return f"{left[0]} " + ("runs as flex_attention, which is not distributed" if left[0].rewritten
                                 else "could not be rewritten")
     unseen = "where the passes cannot rewrite it"
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in OPAQUE_ATTENTION:
-            return f"{location_of(node) or node.name} runs inside {node.target.__name__}, {unseen}"
+    rewritten = with_bodies(gm)
+    for module in rewritten:
+        for node in module.graph.nodes:
+            if _is_opaque(node):
+                return f"{location_of(node) or node.name} runs inside {node.target.__name__}, {unseen}"
     for name, sub in gm.named_modules():
-        if sub is not gm and isinstance(sub, GraphModule):
+        if isinstance(sub, GraphModule) and not any(sub is module for module in rewritten):
             for node in sub.graph.nodes:
-                if any(find(node) is not None for find in FINDERS):
+                if _is_opaque(node) or any(find(node) is not None for find in FINDERS):
                     return f"{location_of(node) or node.name} is inside the subgraph {name}, {unseen}"
     return None
 
 
 def distribute_attention(gm: GraphModule, sites: list[Site], *, mesh=None, layout="zigzag", strategy="auto",
                          hardware=cost_model.Hardware()) -> list[Distributed]:
-    """Rewrite in place every attention op of ``gm`` whose inputs are sharded; ``sites`` are the
-    attention passes' reports, checked for sites left as they were when ``mesh`` is given."""
+    """Rewrite in place every attention op of ``gm`` (and of its checkpoints' bodies) whose inputs
+    are sharded; ``sites`` are the attention passes' reports, checked for sites left as they were
+    when ``mesh`` is given."""
     if mesh is not None:
         local = _not_distributed(gm, sites)
         if local:
             raise ValueError(f"options['mesh'] makes q, k, v sequence shards, but attention at {local}, and run "
                              f"locally it would see only this rank's keys")
     groups = process_groups(mesh) if mesh is not None else None
-    done = []
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not ATTENTION:
-            continue
-        a = normalize_function(ATTENTION, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
-        if _is_dtensor(example_tensor(a["q"])):
-            done.append(_distribute_dtensor(gm.graph, node, a, strategy, hardware))
-        elif groups is not None:
-            done.append(_distribute_shards(gm.graph, node, a, groups, layout, strategy, hardware))
-    gm.recompile()
+    done, checked = [], set()
+    with linked(gm) as checkpoints:
+        for module in with_bodies(gm):
+            for node in list(module.graph.find_nodes(op="call_function", target=ATTENTION)):
+                a = normalize_function(ATTENTION, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
+                if _is_dtensor(example_tensor(a["q"])):
+                    done.append(_distribute_dtensor(module.graph, node, a, strategy, hardware))
+                elif groups is not None:
+                    done.append(_distribute_shards(module.graph, node, a, groups, layout, strategy, hardware,
+                                                   checked))
+        drop_unused_inputs(checkpoints)
+    for module in with_bodies(gm):
+        module.recompile()
     return done
 
 

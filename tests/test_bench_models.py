@@ -1,4 +1,5 @@
-"""The model benchmark runs end to end on the CPU (--tiny): a table row per measure, all sites rewritten."""
+"""The model benchmark runs end to end on the CPU (--tiny): a table row per measure, all sites
+rewritten (inside activation checkpoints too), with the mask structure each kind of input gives."""
 import re
 
 import pytest
@@ -6,12 +7,14 @@ import pytest
 pytest.importorskip("transformers")
 
 
-def test_tiny_benchmark_runs(capsys):
+@pytest.mark.parametrize("options, masking", [([], "key_padding_mask"), (["--inputs", "packed"], "document_ids"),
+                                             (["--checkpointing"], "key_padding_mask")])
+def test_tiny_benchmark_runs(capsys, options, masking):
     from attn_compile.bench_models import main
 
-    assert main(["--tiny", "--compiler", "aot_eager"]) == 0
+    assert main(["--tiny", "--compiler", "aot_eager", *options]) == 0
     out = capsys.readouterr().out
     for model, structure in (("llama3-8b", "causal"), ("mistral-7b", "causal \\+ window_left=15")):
         for measure in ("attention fwd", "attention fwd\\+bwd", "step fwd\\+bwd"):
             assert re.search(rf"^{model} +1 +32  {measure} +[\d.]+ +[\d.]+ +[\d.]+x$", out, re.M), out
-        assert re.search(rf"1 of 1 attention sites rewritten; .*mask -> {structure} \+ key_padding_mask", out), out
+        assert re.search(rf"1 of 1 attention sites rewritten; .*mask -> {structure} \+ {masking}", out), out

@@ -4,6 +4,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import attn_compile.cp.api  # noqa: F401  (registers the attn_cp context-parallel ops)
+import attn_compile.cp.positions  # noqa: F401  (registers attn_cp::check_one_sequence)
 from dist_harness import run_distributed
 
 SCALE = 0.3
@@ -38,6 +39,10 @@ def _opcheck_all(rank, world):
             gathered = (None, None) if recompute_kv else (k_all, v_all)
             torch.library.opcheck(ops.allgather_attention_backward.default,
                                   (torch.randn_like(out), *_detached(q, k, v, out), lse, *gathered, *config))
+    for layout in ("zigzag", "contiguous"):
+        positions = torch.arange(16)[None].expand(2, -1) + torch.tensor([[0], [5]])
+        local = positions.reshape(2, 4, 4)[:, [rank, 3 - rank] if layout == "zigzag" else [2 * rank, 2 * rank + 1]]
+        torch.library.opcheck(ops.check_one_sequence.default, (local.reshape(2, 8), [name], layout))
 
 
 def _in_memory(x, memory):

@@ -2,7 +2,9 @@
 sequence shard (and the matching position_ids) through the compiled model, and the gathered logits
 and the summed parameter gradients equal eager on the whole sequence. Llama (GQA, causal) and
 Mistral (GQA, sliding window: the mask HF builds from local positions is the same relative window),
-2 gloo processes, both layouts."""
+and Llama with gradient checkpointing (each layer a checkpoint body, recomputed in the backward;
+transformers then builds its mask from the position_ids, whose shards are checked to make one
+sequence), 2 gloo processes, both layouts. Packed position_ids raise on every rank."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,13 +19,16 @@ SEQ, TOLERANCE = 32, 1e-4
 MODELS = {"llama": ("Llama", {}), "mistral": ("Mistral", {"sliding_window": 8})}
 
 
-def _model(name):
+def _model(name, checkpointing):
     model_type, overrides = MODELS[name]
     config = getattr(transformers, f"{model_type}Config")(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, **overrides)
     config._attn_implementation = "sdpa"
-    return getattr(transformers, f"{model_type}ForCausalLM")(config)
+    model = getattr(transformers, f"{model_type}ForCausalLM")(config)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
 
 
 def _loss_and_grads(model, ids, positions, weights):
@@ -33,10 +38,10 @@ def _loss_and_grads(model, ids, positions, weights):
     return logits.detach(), [p.grad.clone() for p in model.parameters()]
 
 
-def _check(rank, world, name, layout):
+def _check(rank, world, name, layout, checkpointing):
     group = dist.group.WORLD
     torch.manual_seed(0)  # the same weights and inputs on every rank
-    model = _model(name)
+    model = _model(name, checkpointing)
     ids = torch.randint(0, 64, (1, SEQ))
     positions = torch.arange(SEQ)[None]
     weights = torch.randn(1, SEQ, 64)
@@ -53,6 +58,24 @@ def _check(rank, world, name, layout):
     assert max(errors) <= TOLERANCE, (name, layout, max(errors))
 
 
-@pytest.mark.parametrize("name, layout", [("llama", "zigzag"), ("mistral", "contiguous")])
-def test_hugging_face_model_context_parallel_matches_eager(name, layout):
-    run_distributed(_check, 2, name, layout)
+@pytest.mark.parametrize("name, layout, checkpointing", [("llama", "zigzag", False), ("mistral", "contiguous", False),
+                                                         ("llama", "contiguous", True)])
+def test_hugging_face_model_context_parallel_matches_eager(name, layout, checkpointing):
+    run_distributed(_check, 2, name, layout, checkpointing)
+
+
+def _packed_positions_raise(rank, world):
+    group = dist.group.WORLD
+    torch.manual_seed(0)
+    compiled = torch.compile(_model("llama", checkpointing=False), backend="attn_cp",
+                             options={"mesh": group, "inner": "aot_eager"})
+    ids = torch.randint(0, 64, (1, SEQ))
+    positions = torch.cat([torch.arange(20), torch.arange(SEQ - 20)])[None]
+    shard = lambda x: shard_sequence(x, group, seq_dim=1)  # noqa: E731
+    with pytest.raises(ValueError, match="must rise by one along each row of the whole sequence .*; row 0 goes "
+                                         "from 19 to 0 at token 20"):
+        compiled(input_ids=shard(ids), position_ids=shard(positions), use_cache=False)
+
+
+def test_packed_position_ids_raise_on_every_rank():
+    run_distributed(_packed_positions_raise, 2)

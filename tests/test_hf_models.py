@@ -128,8 +128,13 @@ def _assert_gradients_close(got, want):
         assert (g - w).norm() <= TOLERANCE * max(w.norm(), 1e-3 * total)
 
 
+def _graphs(gm):
+    """gm and the bodies of its activation checkpoints."""
+    return [m for m in gm.modules() if isinstance(m, torch.fx.GraphModule)]
+
+
 def _live_nodes(gm):
-    live, stack = set(), [n for n in gm.graph.nodes if n.op == "output"]
+    live, stack = set(), [n for m in _graphs(gm) for n in m.graph.nodes if n.op == "output"]
     while stack:
         node = stack.pop()
         if node not in live:
@@ -138,23 +143,38 @@ def _live_nodes(gm):
     return live
 
 
-def _check_graph(gm, case: Case, kv_heads: int, seq: int):
-    ops = [n for n in gm.graph.nodes if n.target is ATTENTION]
+def _check_graph(gm, op_kwargs: dict, is_causal: bool, kv_heads: int, seq: int, batch: int = 2):
+    """op_kwargs: the op's keyword arguments, True standing for a (batch, seq) tensor: key padding
+    (bool) or document ids (integers)."""
+    ops = [n for m in _graphs(gm) for n in m.graph.nodes if n.target is ATTENTION]
     assert len(ops) == LAYERS
     for op in ops:
         q, k, v = (a.meta["example_value"] for a in op.args[:3])
         assert k.shape[1] == v.shape[1] == kv_heads
-        assert op.args[3] is None and op.args[4] is case.is_causal
+        assert op.args[3] is None and op.args[4] is is_causal
         kwargs = dict(op.kwargs)
-        if "key_padding_mask" in kwargs:
-            padding = kwargs["key_padding_mask"].meta["example_value"]
-            kwargs["key_padding_mask"] = padding.dtype == torch.bool and tuple(padding.shape) == (2, seq)
-        assert kwargs == case.op_kwargs
+        for name in ("key_padding_mask", "document_ids"):
+            if name in kwargs:
+                t = kwargs[name].meta["example_value"]
+                is_bool = name == "key_padding_mask"
+                kwargs[name] = tuple(t.shape) == (batch, seq) and (t.dtype == torch.bool) == is_bool
+        assert kwargs == op_kwargs
     for node in _live_nodes(gm):
         value = node.meta.get("example_value")
         if isinstance(value, torch.Tensor):
             assert tuple(value.shape[-2:]) != (seq, seq), f"{node.format_node()} is an S x S tensor"
         assert node.target not in (torch.softmax, torch.nn.functional.softmax, "softmax", "repeat_interleave")
+
+
+def _train_and_compare(model, compiled, batches, loss, compared_rows=lambda batch: slice(None)):
+    """Outputs (the rows compared) and the parameters' gradients of ``loss`` equal eager's."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for batch in batches:
+        got, want = _output(compiled(**batch)), _output(model(**batch))
+        rows = compared_rows(batch)
+        assert rel_err(got[rows], want[rows]) <= TOLERANCE
+        _assert_gradients_close(torch.autograd.grad(loss(got, batch), params),
+                                torch.autograd.grad(loss(want, batch), params))
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -170,17 +190,12 @@ def test_model(name, inner_graphs):
             rows = _compared_rows(case, batch)
             assert rel_err(_output(compiled(**batch))[rows], _output(model(**batch))[rows]) <= TOLERANCE
     if case.trains:
-        model.train()
-        compiled = torch.compile(model, backend="attn_cp", options={"inner": "aot_eager"}, fullgraph=True)
-        params = [p for p in model.parameters() if p.requires_grad]
-        for batch in batches:
-            got = torch.autograd.grad(_loss(_output(compiled(**batch)), batch), params)
-            want = torch.autograd.grad(_loss(_output(model(**batch)), batch), params)
-            _assert_gradients_close(got, want)
+        compiled = torch.compile(model.train(), backend="attn_cp", options={"inner": "aot_eager"}, fullgraph=True)
+        _train_and_compare(model, compiled, batches, _loss, lambda batch: _compared_rows(case, batch))
     assert len(inner_graphs) == 1 + case.trains  # eval and train; the second batch reused each
     seq = 17 if case.inputs == "image" else SEQ
     for gm in inner_graphs:
-        _check_graph(gm, case, kv_heads, seq)
+        _check_graph(gm, case.op_kwargs, case.is_causal, kv_heads, seq)
 
 
 def test_new_sequence_length_reuses_the_graph(inner_graphs):
@@ -199,3 +214,41 @@ def test_new_sequence_length_reuses_the_graph(inner_graphs):
     assert len(inner_graphs) == compiled_after_first
     ops = [n for gm in inner_graphs for n in gm.graph.nodes if n.target is ATTENTION]
     assert [(op.args[3], op.args[4], op.kwargs["window_left"]) for op in ops] == [(None, True, 7)] * LAYERS
+
+
+def _packed_positions(batch):
+    """Row 0: sequences of 9, 5 and 8 tokens packed together; row 1: one sequence."""
+    return torch.stack([torch.cat([torch.arange(n) for n in (9, 5, 8)]), torch.arange(SEQ)])[:batch]
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_packed_sequences_given_by_position_ids(name, inner_graphs):
+    """Hugging Face's training input: position_ids, no attention mask and no cache. Its mask puts
+    each run of consecutive positions in a document of its own and compares positions; the op gets
+    causal (and Mistral's window) within the runs as document_ids."""
+    case = CASES[name]
+    torch.manual_seed(0)
+    model, kv_heads = case.build()
+    compiled = torch.compile(model.train(), backend="attn_cp", options={"inner": "aot_eager"}, fullgraph=True)
+    batches = [{"input_ids": torch.randint(0, 64, (b, SEQ)), "position_ids": _packed_positions(b), "use_cache": False}
+               for b in (2, 1)]
+    weights = torch.randn(2, SEQ, 64)
+    _train_and_compare(model, compiled, batches, lambda out, batch: (out * weights[:out.shape[0]]).sum())
+    assert len(inner_graphs) == 2
+    op_kwargs = {**{k: v for k, v in case.op_kwargs.items() if k != "key_padding_mask"}, "document_ids": True}
+    for gm, batch in zip(inner_graphs, (2, 1)):
+        _check_graph(gm, op_kwargs, True, kv_heads, SEQ, batch)
+
+
+def test_gradient_checkpointing(inner_graphs):
+    """Each decoder layer an activation checkpoint, recomputed in the backward: the passes rewrite
+    the checkpoints' bodies, and the mask built once before them is not built."""
+    case = CASES["llama"]
+    torch.manual_seed(0)
+    model, kv_heads = case.build()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    compiled = torch.compile(model.train(), backend="attn_cp", options={"inner": "aot_eager"}, fullgraph=True)
+    _train_and_compare(model, compiled, _batches(case), _loss)
+    (gm,) = inner_graphs
+    assert len(_graphs(gm)) == 1 + LAYERS
+    _check_graph(gm, case.op_kwargs, case.is_causal, kv_heads, SEQ)

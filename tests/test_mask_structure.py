@@ -209,6 +209,77 @@ return (getitem_4)""")
                 assert_matches_eager(packed_causal, q, k, v, _document_ids(contiguous))
 
 
+def hf_packed_mask(positions, window=0, documents=None):
+    """transformers.masking_utils' mask for packed sequences given by position_ids: the same run of
+    consecutive positions, and causal (and the window) in positions."""
+    b, s = positions.shape
+    if documents is None:
+        documents = (torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+    batch = torch.arange(b)[:, None, None, None]
+    q, kv = torch.arange(s)[None, None, :, None], torch.arange(s)[None, None, None, :]
+    mask = (documents[batch, q] == documents[batch, kv]) & (positions[batch, kv] <= positions[batch, q])
+    if window:
+        mask = mask & (positions[batch, kv] > positions[batch, q] - window)
+    return mask.expand(b, -1, s, s)
+
+
+def _packed_positions(batch=2):
+    """Row 0: runs of 5, 1, 10 and 8 tokens; row 1: one sequence starting at 3."""
+    row = torch.cat([torch.arange(n) for n in (5, 1, 10, 8)])
+    return torch.stack([row, torch.arange(3, 27)])[:batch]
+
+
+def _batch(batch, *tensors):
+    return [t[:batch].detach().requires_grad_(t.requires_grad) for t in tensors]
+
+
+class TestPositionRuns(TestCase):
+    def test_positions_become_document_ids_and_causal(self):
+        for window, arguments in ((0, "True, None"), (6, "True, None, window_left=5")):
+            for batch in (2, 1):
+                with self.subTest(window=window, batch=batch):
+                    q, k, v, _ = _batch(batch, *_inputs())
+                    fn = attend(lambda q, positions: hf_packed_mask(positions, window))
+                    graph, sites = rewrite(fn, q, k, v, _packed_positions(batch))
+                    self.assertIn(f"attn_cp.attention.default(l_q_, l_k_, l_v_, None, {arguments}, "
+                                  f"document_ids=documents)", graph)
+                    self.assertNotIn("l_data_0_", graph.split("attention_default")[1])
+                    assert_matches_eager(fn, q, k, v, _packed_positions(batch))
+
+    def test_positions_of_an_arange_are_one_document(self):
+        def positions_of_arange(q, _):
+            return hf_packed_mask(torch.arange(3, 3 + q.shape[2])[None].expand(q.shape[0], -1))
+
+        graph, _ = rewrite(attend(positions_of_arange), *_inputs())
+        self.assertIn("attn_cp.attention.default(l_q_, l_k_, l_v_, None, True, None)", graph)
+
+    def test_a_batch_of_one_reads_key_padding_at_row_zero(self):
+        q, k, v, pad = _batch(1, *_inputs())
+        graph, _ = rewrite(attend(lambda q, pad: hf_mask(pad)), q, k, v, pad)
+        self.assertIn("attn_cp.attention.default(l_q_, l_k_, l_v_, None, True, None, key_padding_mask=l_data_0_)",
+                      graph)
+        assert_matches_eager(attend(lambda q, pad: hf_mask(pad)), q, k, v, pad)
+
+    def test_positions_compared_outside_their_runs_are_data(self):
+        """Document ids that are not the runs of the positions compared say nothing about them."""
+        ids = torch.stack([torch.arange(24) // 6, torch.zeros(24, dtype=torch.long)])
+        not_runs = {
+            "ids given": lambda q, positions, ids: hf_packed_mask(positions, documents=ids),
+            "runs of other positions": lambda q, positions, ids: hf_packed_mask(
+                positions, documents=(torch.diff(ids, prepend=ids[:, :1] - 1, dim=-1) != 1).cumsum(-1)),
+            "positions that wrap (uint8)": lambda q, positions, ids: hf_packed_mask(positions.to(torch.uint8) + 250),
+            "another spelling of the runs": lambda q, positions, ids: hf_packed_mask(
+                positions, documents=(torch.diff(positions, prepend=positions[:, :1], dim=-1) != 1).cumsum(-1)),
+        }
+        for name, mask_fn in not_runs.items():
+            with self.subTest(name):
+                q, k, v, _ = _inputs()
+                _, sites = rewrite(attend(mask_fn), q, k, v, _packed_positions(), ids)
+                self.assertRegex(sites[0].notes[0],
+                                 r"^mask kept: the mask compares data, '(\w+)\[b, j\] <= \1\[b, i\]'")
+                assert_matches_eager(attend(mask_fn), q, k, v, _packed_positions(), ids)
+
+
 class TestLeftMasks(TestCase):
     def test_each_mask_is_kept_with_its_reason(self):
         for name, (mask_fn, note) in LEFT.items():
