@@ -20,7 +20,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.operator_schemas import normalize_function
 
 from .. import cost_model, ops
-from ..cp import api as _api, positions as _positions  # noqa: F401  (register the attn_cp ops)
+from ..cp import api as _api, sequence_checks as _checks  # noqa: F401  (register the attn_cp ops)
 from ..cp.comm import process_groups
 from ..planner import HEADS, SEQ, kv_head_slice, plan
 from .shapes import example_tensor, hinted_meta, hinted_shape
@@ -32,6 +32,7 @@ from .site import Site, location_of
 ATTENTION = ops.attention._opoverload
 CONTEXT_PARALLEL = torch.ops.attn_cp.context_parallel_attention.default
 CHECK_ONE_SEQUENCE = torch.ops.attn_cp.check_one_sequence.default
+CHECK_NO_PADDING = torch.ops.attn_cp.check_no_padding.default
 
 
 @dataclasses.dataclass
@@ -157,26 +158,44 @@ def _distribute_dtensor(graph, node, a, strategy, hardware) -> Distributed:
     return Distributed(node.name, placements, p.describe(), p.table)
 
 
-def _check_one_sequence(runs: Node, positions: Node, group_names: list, layout: str) -> None:
-    """After the positions' runs (Hugging Face's document ids): the check that the positions'
-    shards make one sequence per row (cp/positions.py), asserted so that the graph keeps it."""
-    graph = runs.graph
-    with graph.inserting_after(runs):
-        ok = graph.call_function(CHECK_ONE_SEQUENCE, (positions, list(group_names), layout))
+def _assert_in_graph(after: Node, check, shards: Node, group_names: list, layout: str, checked: set) -> None:
+    """``check(shards, ...)`` (cp/sequence_checks.py) once per ``shards``, right after ``after`` in
+    its graph, its result asserted so that the graph keeps it."""
+    if shards in checked:
+        return
+    checked.add(shards)
+    graph = after.graph
+    if after.op == "placeholder":
+        after = list(graph.find_nodes(op="placeholder"))[-1]
+    with graph.inserting_after(after):
+        ok = graph.call_function(check, (shards, list(group_names), layout))
     with graph.inserting_after(ok):
-        graph.call_function(torch.ops.aten._assert_async.msg, (ok, "the position_ids are not one sequence per row"))
+        graph.call_function(torch.ops.aten._assert_async.msg, (ok, f"{check.__name__} failed on {shards.name}"))
+
+
+def _checked_at_run_time(a: dict, names: list, layout: str, checked: set) -> tuple[dict, list]:
+    """The call without the masks that a check in the graph shows to ask for nothing (document ids
+    that are runs of position_ids, one sequence; key padding, none), and what each check is."""
+    a, notes = dict(a), []
+    documents = a["document_ids"]
+    positions = None if documents is None else runs_of(passed_in(documents))
+    if positions is not None:
+        _assert_in_graph(passed_in(documents), CHECK_ONE_SEQUENCE, positions, names, layout, checked)
+        a["document_ids"] = None
+        notes.append(f"document ids are runs of {positions.name}, checked to be one sequence per row")
+    if a["key_padding_mask"] is not None:
+        padding = passed_in(a["key_padding_mask"])
+        _assert_in_graph(padding, CHECK_NO_PADDING, padding, names, layout, checked)
+        a["key_padding_mask"] = None
+        notes.append(f"key padding {padding.name}, checked to pad nothing")
+    return a, notes
 
 
 def _distribute_shards(graph, node, a, groups, layout, strategy, hardware, checked: set) -> Distributed:
-    """``checked``: the positions whose check is in the graph already."""
+    """``checked``: the tensors whose check is in the graph already."""
     names = [g.group_name for g in groups]
-    documents = a["document_ids"]
-    positions = None if documents is None else runs_of(passed_in(documents))
-    if positions is not None:  # documents that are runs of positions: one sequence, if the check passes
-        if positions not in checked:
-            _check_one_sequence(passed_in(documents), positions, names, layout)
-            checked.add(positions)
-        a = {**a, "document_ids": None}
+    dropped = [a["document_ids"], a["key_padding_mask"]]
+    a, notes = _checked_at_run_time(a, names, layout, checked)
     _check_positional_masking(node, a, "sequence shards on options['mesh']")
     q, k, v = (hinted_meta(example_tensor(a[name])) for name in ("q", "k", "v"))
     problem = cost_model.Problem.of_shards(q, k, v, is_causal=a["is_causal"], window=_window(a), layout=layout,
@@ -184,11 +203,9 @@ def _distribute_shards(graph, node, a, groups, layout, strategy, hardware, check
     best, table = cost_model.choose(problem, hardware, strategy)
     _replace(graph, node, lambda: _context_parallel(graph, a, a["q"], a["k"], a["v"], best, names,
                                                     _scale(a, q), layout))
-    erase_unused([documents])
-    checked_positions = "" if positions is None else f"; the document ids are runs of {positions.name}, checked " \
-                                                     f"to be one sequence per row"
+    erase_unused(dropped)
     return Distributed(node.name, f"sequence shards ({layout}) on a mesh of {problem.mesh_shape}",
-                       f"context parallel: {best}{checked_positions}", table)
+                       "; ".join([f"context parallel: {best}", *notes]), table)
 
 
 # ops that run a whole attention inside them, out of the passes' sight

@@ -4,7 +4,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import attn_compile.cp.api  # noqa: F401  (registers the attn_cp context-parallel ops)
-import attn_compile.cp.positions  # noqa: F401  (registers attn_cp::check_one_sequence)
+import attn_compile.cp.sequence_checks  # noqa: F401  (registers attn_cp::check_one_sequence, ::check_no_padding)
 from dist_harness import run_distributed
 
 SCALE = 0.3
@@ -40,9 +40,10 @@ def _opcheck_all(rank, world):
             torch.library.opcheck(ops.allgather_attention_backward.default,
                                   (torch.randn_like(out), *_detached(q, k, v, out), lse, *gathered, *config))
     for layout in ("zigzag", "contiguous"):
+        shard = [rank, 3 - rank] if layout == "zigzag" else [2 * rank, 2 * rank + 1]
         positions = torch.arange(16)[None].expand(2, -1) + torch.tensor([[0], [5]])
-        local = positions.reshape(2, 4, 4)[:, [rank, 3 - rank] if layout == "zigzag" else [2 * rank, 2 * rank + 1]]
-        torch.library.opcheck(ops.check_one_sequence.default, (local.reshape(2, 8), [name], layout))
+        for op, whole in ((ops.check_one_sequence, positions), (ops.check_no_padding, positions >= 0)):
+            torch.library.opcheck(op.default, (whole.reshape(2, 4, 4)[:, shard].reshape(2, 8), [name], layout))
 
 
 def _in_memory(x, memory):
