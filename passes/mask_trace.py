@@ -295,6 +295,9 @@ def _division(op):
 
 def _compare(tracer, node, out):
     op = op_of(node)
+    distance = _compare_distance(tracer, node, op, out)
+    if distance is not None:
+        return distance
     a, b = tracer.operands(node, out)
     _check_compared_constants(tracer, node)
     if _is_integer(a) and _is_integer(b):
@@ -308,6 +311,21 @@ def _compare(tracer, node, out):
     if isinstance(a, Select) or isinstance(b, Select):
         raise Unsupported(f"{node.name}: comparison of two where() values")
     return Compare(op, a, b)
+
+
+def _compare_distance(tracer, node, op: str, out):
+    """``abs(a) op c`` (on either side) of an index value and an integer constant, as the two
+    comparisons of a and -a (``abs(q_idx - kv_idx) <= w``: a two-sided window); else None."""
+    left, right = argument(node, 0, "input"), argument(node, 1, "other")
+    if op_of(right) == "abs":
+        left, right, op = right, left, _MIRRORED[op]
+    if op_of(left) != "abs" or is_mutated(left):
+        return None
+    a, c = tracer.operand(argument(left, 0, "input"), tuple(out.shape)), tracer.operand(right, tuple(out.shape))
+    if not (isinstance(a, Affine) and isinstance(c, Number) and type(c.value) is int):
+        return None
+    both = (compare_integers(op, a, Affine((), c.value)), compare_integers(op, -a, Affine((), c.value)))
+    return all_of(both) if op in ("le", "lt", "ne") else any_of(both)
 
 
 def _check_compared_constants(tracer, node):

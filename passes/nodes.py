@@ -32,6 +32,7 @@ _FUNCTIONS = {
     torch.transpose: "transpose", torch.permute: "permute",
     torch.unsqueeze: "unsqueeze", torch.squeeze: "squeeze", torch.reshape: "reshape", torch.flatten: "flatten",
     torch.repeat_interleave: "repeat_interleave", torch.cumsum: "cumsum", torch.diff: "diff",
+    abs: "abs", torch.abs: "abs", operator.abs: "abs",
     torch.arange: "arange", torch.zeros: "zeros", torch.ones: "ones", torch.full: "full",
     torch.zeros_like: "zeros_like", torch.ones_like: "ones_like", torch.tensor: "tensor",
     operator.getitem: "getitem",

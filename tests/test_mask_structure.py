@@ -62,6 +62,12 @@ CASES = {
     "additive where of torch.tensor(0.0), as transformers 5.17 writes it": (  # -inf: the left-padded rows match
         lambda q, pad: torch.where(hf_mask(pad), torch.tensor(0.0), float("-inf")),
         "True, None, key_padding_mask=l_data_0_"),
+    "local window via abs, as ModernBERT writes it": (
+        lambda q, pad: (abs(torch.arange(24)[:, None] - torch.arange(24)) <= 3) & pad[:, None, None, :],
+        "False, None, window_left=3, window_right=3, key_padding_mask=l_data_0_"),
+    "band via Tensor.abs, the distance on the right": (
+        lambda q, pad: 4 > (torch.arange(24)[:, None] - torch.arange(24)).abs(),
+        "False, None, window_left=3, window_right=3"),
     "band via abs-free comparisons": (
         lambda q, pad: (lambda i, j: (j - i <= 2) & (i - j <= 2))(torch.arange(24)[:, None], torch.arange(24)),
         "False, None, window_left=2, window_right=2"),
@@ -151,6 +157,10 @@ LEFT = {
         "mask kept: the mask reads data, l_data_0_[b, -j + 23]: only key padding [b, j] is structured"
         "; not flex_attention: the mask reads l_data_0_[b, -j + 23]: only per-key tensors read at [b, j] go into a "
         "mask_mod"),
+    "keys farther than a distance (an OR)": (
+        lambda q, pad, m: 2 < torch.abs(torch.arange(24)[:, None] - torch.arange(24)),
+        "mask kept: '(j - i + 3 <= 0 | -j + i + 3 <= 0)' is not a causal, sliding-window or key-padding condition"
+        "; not flex_attention: flex_attention has no backward on CPU"),
     "clamped index": (
         lambda q, pad, m: torch.arange(24).clamp(max=20) <= torch.arange(24)[:, None],
         "mask kept: clamp = clamp(...) is not index arithmetic"),
