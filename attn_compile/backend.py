@@ -87,7 +87,8 @@ def attn_cp(gm, example_inputs, *, mode=None, options=None):
     candidate = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
     candidate.meta = gm.meta  # dynamo's bookkeeping, which Inductor reads
     try:
-        sites = rewrite_attention(candidate)
+        cuda_graphs = mode is not None and torch._inductor.list_mode_options(mode).get("triton.cudagraphs", False)
+        sites = rewrite_attention(candidate, cuda_graphs=cuda_graphs)
         distribute_attention(candidate, sites, mesh=opts["mesh"], layout=opts["layout"], strategy=opts["strategy"],
                              hardware=opts["hardware"])
     except (PassFailure, MaskNotDistributed) as failure:

@@ -48,13 +48,13 @@ def _left(found: Left, made=()) -> Site:
                 reason=found.reason)
 
 
-def _rewrite(graph, found: AttentionCall) -> Site:
+def _rewrite(graph, found: AttentionCall, cuda_graphs: bool) -> Site:
     calls = [found]
     for refine in REFINEMENTS:
         calls.append(refine(calls[-1]))
     call = calls[-1]
     made = [node for c in calls for node in c.tensors().values()]
-    reason = why_invalid(call) or _slower_than_as_is(call)
+    reason = why_invalid(call) or _slower_than_as_is(call) or _unrecordable(call, cuda_graphs)
     if reason is not None:
         return _left(Left(found.anchor, reason, found.tensors()), made)
     flex = call.flex_mask is not None
@@ -76,6 +76,13 @@ def _slower_than_as_is(call: AttentionCall):
     return None
 
 
+def _unrecordable(call: AttentionCall, cuda_graphs: bool):
+    if cuda_graphs and call.document_ids is not None and example_tensor(call.q).device.type == "cuda":
+        return ("its document ids would be read on the host (to cut the batch into runs), which a CUDA graph "
+                "cannot record; as it is, the site records")
+    return None
+
+
 def _find(node):
     for find in FINDERS:
         found = find(node)
@@ -88,14 +95,14 @@ class PassFailure(RuntimeError):
     """An unexpected error inside the passes, with the node it happened at."""
 
 
-def _rewrite_graph(graph) -> list[Site]:
+def _rewrite_graph(graph, cuda_graphs: bool) -> list[Site]:
     sites = []
     for node in list(graph.nodes):
         try:
             found = _find(node)
             if found is None:
                 continue
-            site = _left(found) if isinstance(found, Left) else _rewrite(graph, found)
+            site = _left(found) if isinstance(found, Left) else _rewrite(graph, found, cuda_graphs)
         except Exception as error:
             raise PassFailure(f"at {location_of(node) or node.name} ({node.name}): {type(error).__name__}: "
                               f"{error}") from error
@@ -104,14 +111,16 @@ def _rewrite_graph(graph) -> list[Site]:
     return sites
 
 
-def rewrite_attention(gm: GraphModule) -> list[Site]:
+def rewrite_attention(gm: GraphModule, *, cuda_graphs: bool = False) -> list[Site]:
     """Rewrite every attention site of ``gm`` in place, and of the bodies of its activation
-    checkpoints (which become gm's own copies); one Site per site found, logged. An unexpected error
-    raises PassFailure naming the node, and may leave ``gm`` half rewritten: callers that want to go
-    on run this on a copy."""
+    checkpoints (which become gm's own copies); one Site per site found, logged. ``cuda_graphs``:
+    the graph will be recorded (mode="reduce-overhead"), so sites the op would run with a host
+    read stay as they are. An unexpected error raises PassFailure naming the node, and may leave
+    ``gm`` half rewritten: callers that want to go on run this on a copy."""
     checkpoint.own_bodies(gm)
     with checkpoint.linked(gm) as checkpoints:
-        sites = [site for module in checkpoint.with_bodies(gm) for site in _rewrite_graph(module.graph)]
+        sites = [site for module in checkpoint.with_bodies(gm)
+                 for site in _rewrite_graph(module.graph, cuda_graphs)]
         checkpoint.drop_unused_inputs(checkpoints)
     for module in checkpoint.with_bodies(gm):
         module.recompile()
