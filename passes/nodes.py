@@ -32,7 +32,7 @@ _FUNCTIONS = {
     torch.transpose: "transpose", torch.permute: "permute",
     torch.unsqueeze: "unsqueeze", torch.squeeze: "squeeze", torch.reshape: "reshape", torch.flatten: "flatten",
     torch.repeat_interleave: "repeat_interleave", torch.cumsum: "cumsum", torch.diff: "diff",
-    abs: "abs", torch.abs: "abs", operator.abs: "abs",
+    abs: "abs", torch.abs: "abs", operator.abs: "abs", torch.Tensor.__abs__: "abs",  # torch 2.11: __abs__
     torch.arange: "arange", torch.zeros: "zeros", torch.ones: "ones", torch.full: "full",
     torch.zeros_like: "zeros_like", torch.ones_like: "ones_like", torch.tensor: "tensor",
     operator.getitem: "getitem",
@@ -43,7 +43,7 @@ _METHODS = {
     "__getitem__": "getitem",
     "floor_divide": "floordiv", "__floordiv__": "floordiv", "__mod__": "remainder",
     # dynamo on torch 2.11 recorded a comparison as "__eq__" (as a method or as Tensor.__eq__)
-    "__eq__": "eq", "__ne__": "ne", "__le__": "le", "__lt__": "lt", "__ge__": "ge", "__gt__": "gt",
+    "__eq__": "eq", "__ne__": "ne", "__le__": "le", "__lt__": "lt", "__ge__": "ge", "__gt__": "gt", "__abs__": "abs",
 }
 
 
