@@ -16,11 +16,12 @@ Pattern, from the value matmul back (brackets: optional; any spelling: ``@``, to
 Replacement: ``attn_cp.attention(q, k, v, attn_mask, scale=c_q * c)`` (scale 1 when none is
 written), where attn_mask is ``mask`` (additive), ``~cond`` (masked_fill) or ``cond`` (where),
 and NEG is -inf or a dtype's minimum. Not matched, so left to compile as written: a softmax over
-another axis, anything else between the score matmul and the value matmul (a scale after the
-softmax, a mask before the scale, a downcast of the scores, ...), k not transposed in its last
-two axes. Matched but left, with the reason: dropout that is active, intermediate results used
-elsewhere (e.g. returned attention weights), masked_fill with another value, a scale known only
-at run time, q, k or the mask modified in place before the value matmul (the op reads them there).
+another axis, anything else between the softmax and the value matmul (a scale after the
+softmax), k not transposed in its last two axes. Matched but left, with the reason: dropout that is
+active, intermediate results used elsewhere (e.g. returned attention weights), masked_fill with
+another value, a scale known only at run time, q, k or the mask modified in place before the value
+matmul (the op reads them there), and scores that reach the softmax through other steps (a mask
+before the scale, score softcapping, an in-place scale, a second bias, a downcast).
 """
 import dataclasses
 import math
@@ -143,6 +144,25 @@ def _masked(node) -> Optional[_Match]:
     return _scores(node)
 
 
+def _unmatched_scores(probs: Node) -> Optional[_Match]:
+    """A match left with its reason where the softmax input comes from ``q @ k.transpose(-2, -1)``
+    through steps the pattern does not take (score softcapping's tanh, an in-place scale, a second
+    bias, a mask before the scale), each step's first argument being the scores; else None."""
+    node, steps = probs, []
+    while isinstance(node, Node) and node.op in ("call_function", "call_method") and len(steps) < 8:
+        if op_of(node) == "matmul":
+            k, q = _transposed(argument(node, 1, "other")), argument(node, 0, "input")
+            if k is None or not isinstance(q, Node) or not steps:
+                return None
+            names = ", ".join(op_of(n) or getattr(n.target, "__name__", str(n.target)) for n in reversed(steps))
+            return _Match(q, k, chain=[node, *steps], first=node,
+                          reasons=[f"the scores pass through {names} between the score matmul and the softmax, a form "
+                                   f"the pattern does not take (the fused op has no softcapping or second bias)"])
+        steps.append(node)
+        node = node.args[0] if node.args else None
+    return None
+
+
 def _cast(node) -> Node:
     return argument(node, 0, "input") if op_of(node) in _CASTS else node
 
@@ -198,7 +218,7 @@ def _match(anchor: Node) -> Optional[_Match]:
         probs = step(probs)
         if probs is None:
             return None
-    match = _masked(probs) if isinstance(probs, Node) else None
+    match = (_masked(probs) or _unmatched_scores(probs)) if isinstance(probs, Node) else None
     if match is None:
         return None
     match.v = argument(anchor, 1, "other")

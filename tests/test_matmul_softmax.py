@@ -188,7 +188,6 @@ class TestLookAlikes(TestCase):
     def test_are_not_rewritten(self):
         q, k, v = _qkv()
         for fn, args in ((softmax_over_queries, (q, k, v)), (scale_after_softmax, (q, k, v)),
-                         (mask_before_scale, (q, k, v, _padding_mask())),
                          (keys_already_transposed, (q, k.transpose(-2, -1).detach().requires_grad_(), v)),
                          (activation_after_softmax, (q, k, v))):
             with self.subTest(fn.__name__):
@@ -209,6 +208,42 @@ def weights_returned(q, k, v):
 
 def finite_fill(q, k, v):
     return (q @ k.transpose(-2, -1)).masked_fill(torch.ones(24, 24, dtype=torch.bool).triu(1), -1e4).softmax(-1) @ v
+
+
+def softcapped(q, k, v):
+    """Gemma 2's eager attention: the scores capped at 50 by tanh."""
+    return (torch.tanh(q @ k.transpose(-2, -1) * 0.25 / 50.0) * 50.0).softmax(-1) @ v
+
+
+def scaled_in_place(q, k, v):
+    """Falcon's eager attention: ``scores /= sqrt(d)``."""
+    scores = q @ k.transpose(-2, -1)
+    scores /= 4.0
+    return scores.softmax(-1) @ v
+
+
+def two_biases(q, k, v, mask):
+    """T5's eager attention: a position bias and the mask, both added."""
+    return (q @ k.transpose(-2, -1) + mask + mask.transpose(-2, -1)).softmax(-1) @ v
+
+
+class TestUnmatchedScores(TestCase):
+    def test_are_left_with_the_steps_named(self):
+        q, k, v = _qkv()
+        mask = torch.randn(24, 24)
+        for fn, args, steps in ((mask_before_scale, (q, k, v, _padding_mask()), "add, mul"),
+                                (softcapped, (q, k, v), "mul, div, tanh, mul"),
+                                (scaled_in_place, (q, k, v), "itruediv"),
+                                (two_biases, (q, k, v, mask), "add, add")):
+            with self.subTest(fn.__name__):
+                graph, sites = rewrite(fn, *args)
+                self.assertEqual([(s.rewritten, s.reason) for s in sites],
+                                 [(False, f"the scores pass through {steps} between the score matmul and the softmax, "
+                                          f"a form the pattern does not take (the fused op has no softcapping or "
+                                          f"second bias)")])
+                self.assertIn("softmax", graph)
+                self.assertNotIn("attn_cp", graph)
+                assert_matches_eager(fn, *args)
 
 
 class TestLeft(TestCase):
