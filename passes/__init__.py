@@ -122,8 +122,7 @@ def rewrite_attention(gm: GraphModule, *, cuda_graphs: bool = False) -> list[Sit
         sites = [site for module in checkpoint.with_bodies(gm)
                  for site in _rewrite_graph(module.graph, cuda_graphs)]
         checkpoint.drop_unused_inputs(checkpoints)
-    for module in checkpoint.with_bodies(gm):
-        module.recompile()
+    checkpoint.recompile(gm)
     return sites
 
 

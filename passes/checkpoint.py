@@ -41,6 +41,12 @@ def with_bodies(gm: GraphModule) -> list[GraphModule]:
     return [gm] + [body for _, body in bodies(gm)]
 
 
+def recompile(gm: GraphModule) -> None:
+    """After a pass: gm's code and its bodies' from their graphs."""
+    for module in with_bodies(gm):
+        module.recompile()
+
+
 def own_bodies(gm: GraphModule) -> None:
     """Give each checkpoint call, nested ones included, a copy of its body to rewrite: the body
     module dynamo made is shared with the graph the backend was given, which stays as it was for a
@@ -129,5 +135,4 @@ def _drop_unused_inputs(call: Node, body: GraphModule) -> None:
     call.args = (call.args[0], *(arg for i, arg in enumerate(call.args[1:]) if i not in unused))
     for i in unused:
         body.graph.erase_node(inputs[i])
-    body.recompile()
     erase_unused(dropped)

@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import math
 import operator
-from typing import Callable, Union
+from typing import Callable, Optional, Union
 
 import torch
 from torch.fx import Node
@@ -184,6 +184,19 @@ class Select:
 
     def __str__(self) -> str:
         return f"where({self.cond}, {self.if_true}, {self.if_false})"
+
+
+def same_document(atom, rows) -> Optional[tuple[Node, Affine]]:
+    """(ids, row) where atom is ``ids[row, i] == ids[row, j]`` (either side first) with row in
+    ``rows``: query and key in the same document; else None."""
+    if not (isinstance(atom, Compare) and atom.op == "eq" and isinstance(atom.left, Gather)
+            and isinstance(atom.right, Gather) and atom.left.source is atom.right.source
+            and len(atom.left.index) == len(atom.right.index) == 2):
+        return None
+    (row, i), (other_row, j) = atom.left.index, atom.right.index
+    if row != other_row or row not in rows or {i, j} != {Affine.index(I), Affine.index(J)}:
+        return None
+    return atom.left.source, row
 
 
 def compare_integers(op: str, a: Affine, b: Affine):

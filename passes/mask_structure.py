@@ -32,7 +32,7 @@ from torch.fx import Node
 from .call import AttentionCall, empty_row_note
 from .flex_mask import to_flex
 from .index_formula import (B, HARD_NEGATIVES, I, J, Affine, Compare, Eq, Gather, Le, Number, Select, all_of,
-                            conjuncts, negate)
+                            conjuncts, negate, same_document)
 from .mask_proof import prove
 from .mask_trace import MaskTracer, Unsupported, fixed_unit_axes
 from .nodes import is_mutated
@@ -124,7 +124,7 @@ def classify(formula, batch_of_one: bool = False) -> Structure:
             padding.add(atom.source)
         elif isinstance(atom, Gather):
             raise Unsupported(f"the mask reads data, {atom}: only key padding [b, j] is structured")
-        elif isinstance(atom, Compare) and _is_document_mask(atom, rows):
+        elif same_document(atom, rows) is not None:
             documents.add(atom.left.source)
         elif isinstance(atom, Compare) and Gather in {type(atom.left), type(atom.right)}:
             raise Unsupported(f"the mask compares data, '{atom}': only key padding [b, j] is structured")
@@ -138,19 +138,6 @@ def classify(formula, batch_of_one: bool = False) -> Structure:
         if len(sources) > 1:
             raise Unsupported(f"two {kind} tensors: {', '.join(sorted(n.name for n in sources))}")
     return Structure(left, right, next(iter(padding), None), next(iter(documents), None))
-
-
-def _per_token(side, rows) -> Optional[int]:
-    """The axis (i or j) at which ``side`` reads a per-token tensor ids[row, axis], else None."""
-    if isinstance(side, Gather) and len(side.index) == 2 and side.index[0] in rows:
-        return next((axis for axis in (I, J) if side.index[1] == Affine.index(axis)), None)
-    return None
-
-
-def _is_document_mask(atom: Compare, rows) -> bool:
-    """ids[b, i] == ids[b, j]: query and key in the same document."""
-    return (atom.op == "eq" and {_per_token(atom.left, rows), _per_token(atom.right, rows)} == {I, J}
-            and atom.left.source is atom.right.source and atom.left.index[0] == atom.right.index[0])
 
 
 def _check_key_padding(node: Node, call: AttentionCall) -> None:

@@ -63,12 +63,12 @@ def _is_formula(expr) -> bool:
         isinstance(expr, Number) and isinstance(expr.value, bool))
 
 
-def _is_integer(expr) -> bool:
-    return isinstance(expr, Affine) or (isinstance(expr, Number) and type(expr.value) is int)
-
-
 def _is_int(expr) -> bool:
     return isinstance(expr, Number) and type(expr.value) is int
+
+
+def _is_integer(expr) -> bool:
+    return isinstance(expr, Affine) or _is_int(expr)
 
 
 def _is_integer_data(expr) -> bool:
@@ -322,7 +322,7 @@ def _compare_distance(tracer, node, op: str, out):
     if op_of(left) != "abs" or is_mutated(left):
         return None
     a, c = tracer.operand(argument(left, 0, "input"), tuple(out.shape)), tracer.operand(right, tuple(out.shape))
-    if not (isinstance(a, Affine) and isinstance(c, Number) and type(c.value) is int):
+    if not (isinstance(a, Affine) and _is_int(c)):
         return None
     both = (compare_integers(op, a, Affine((), c.value)), compare_integers(op, -a, Affine((), c.value)))
     return all_of(both) if op in ("le", "lt", "ne") else any_of(both)

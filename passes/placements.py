@@ -25,7 +25,7 @@ from ..cp.comm import process_groups
 from ..planner import HEADS, SEQ, kv_head_slice, plan
 from .shapes import example_tensor, hinted_meta, hinted_shape
 from . import FINDERS
-from .checkpoint import drop_unused_inputs, linked, passed_in, with_bodies
+from .checkpoint import drop_unused_inputs, linked, passed_in, recompile, with_bodies
 from .nodes import erase_unused, runs_of
 from .site import Site, location_of
 
@@ -262,8 +262,7 @@ def distribute_attention(gm: GraphModule, sites: list[Site], *, mesh=None, layou
                     done.append(_distribute_shards(module.graph, node, a, groups, layout, strategy, hardware,
                                                    checked))
         drop_unused_inputs(checkpoints)
-    for module in with_bodies(gm):
-        module.recompile()
+    recompile(gm)
     return done
 
 

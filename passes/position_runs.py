@@ -13,21 +13,16 @@ rise by one along the whole row by their formula, an arange, are one document: m
 """
 from typing import Optional
 
-from .index_formula import B, I, J, Affine, Compare, Gather, Offset, compare_integers, substitute
+from .index_formula import B, I, J, Affine, Compare, Offset, compare_integers, same_document, substitute
 from .nodes import runs_of
 
 
 def _document_rows(atom) -> Optional[tuple]:
     """(positions, row) where atom is documents[row, i] == documents[row, j] for documents numbering
     the runs of positions; else None."""
-    if not (isinstance(atom, Compare) and atom.op == "eq" and isinstance(atom.left, Gather)
-            and isinstance(atom.right, Gather) and atom.left.source is atom.right.source):
-        return None
-    (row, i), (row_j, j) = atom.left.index, atom.right.index
-    if row != row_j or row not in (Affine.index(B), Affine()) or {i, j} != {Affine.index(I), Affine.index(J)}:
-        return None
-    positions = runs_of(atom.left.source)
-    return None if positions is None else (positions, row)
+    found = same_document(atom, (Affine.index(B), Affine()))
+    positions = None if found is None else runs_of(found[0])
+    return None if positions is None else (positions, found[1])
 
 
 def _position(side, reads: dict) -> Optional[tuple]:
