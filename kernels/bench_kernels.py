@@ -36,6 +36,7 @@ class Shape:
     q_offset: int = 0
     k_offset: int = 0
     documents: tuple = ()  # varlen: packed documents of these lengths, summing to s
+    ids: bool = False  # the documents as (1, s) ids to the dense kernels instead of cumulative lengths
 
     @property
     def plain(self) -> bool:
@@ -67,6 +68,7 @@ SHAPES = (
     Shape("GQA+MLA 64/4 192/128 causal S4K", 64, 4, 4096, 192, 128),
     Shape("window 1024 32h d128", 32, 32, S, window=(1023, -1)),
     Shape("varlen 9 docs 32K MLA 16h 192/128", 16, 16, sum(DOCUMENTS), 192, 128, documents=DOCUMENTS),
+    Shape("the same 9 docs as document ids", 16, 16, sum(DOCUMENTS), 192, 128, documents=DOCUMENTS, ids=True),
     Shape("ring step: causal, offset half a tile", 32, 32, S, q_offset=S + 64, k_offset=S),
 )
 
@@ -80,11 +82,19 @@ def _inputs(shape: Shape):
         randn(shape.h_q, shape.d_v).detach()
 
 
+def _document_ids(shape):
+    """(s,) the document of each position."""
+    lengths = torch.tensor(shape.documents, device="cuda")
+    return torch.repeat_interleave(torch.arange(len(shape.documents), device="cuda"), lengths)
+
+
 def _triton(shape, q, k, v):
     scale = shape.d_qk ** -0.5
     masking = dict(scale=scale, is_causal=shape.is_causal, window=shape.window)
     q, k, v = (x.detach() for x in (q, k, v))
-    if shape.documents:
+    if shape.ids:
+        masking["document_ids"] = _document_ids(shape)[None]
+    if shape.documents and not shape.ids:
         cu = torch.tensor((0, *shape.documents), device="cuda").cumsum(0).int()
         lengths = (cu, cu, max(shape.documents), max(shape.documents))
         q, k, v = (x[0].transpose(0, 1).contiguous() for x in (q, k, v))  # packed (total, H, D)
@@ -123,8 +133,7 @@ def _flex(shape, q, k, v):
     shift = shape.k_offset - shape.q_offset
     document = None
     if shape.documents:
-        lengths = torch.tensor(shape.documents, device="cuda")
-        document = torch.repeat_interleave(torch.arange(len(shape.documents), device="cuda"), lengths)
+        document = _document_ids(shape)
 
     def visible(b, h, q_idx, kv_idx):
         dist = kv_idx + shift - q_idx
@@ -186,7 +195,7 @@ def measure(shape: Shape, peers, flex_everywhere=False):
     q, k, v, dout = _inputs(shape)
     forward, backward = _triton(shape, q, k, v)
     out, lse = forward()
-    packed_dout = dout[0].transpose(0, 1).contiguous() if shape.documents else dout
+    packed_dout = dout[0].transpose(0, 1).contiguous() if shape.documents and not shape.ids else dout
     times = {"triton": (_median_ms(forward), _median_ms(lambda: backward(packed_dout, out, lse)))}
     for name in peers:
         times[name] = _measure_peer(PEERS[name], shape, q, k, v, dout) if _runs(name, shape, flex_everywhere) else None

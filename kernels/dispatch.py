@@ -4,9 +4,11 @@ The choice depends only on the call's metadata (see ``Problem``), so forward and
 every rank, and ``explain`` all agree on it. Kernels are tried in order of measured speed
 (BENCHMARKS.md, H100: cuDNN > Triton > flash > efficient); the reference takes everything
 else. Triton is the fused kernel for windows and position offsets (ring steps), which none of
-the aten kernels take. Packed documents (``varlen_*``) try Triton, then FA2's varlen kernel
-(which pads V for MLA inside its adapter), then one reference call per document. ``merge_into``
-combines partial results: one fused Triton kernel on CUDA.
+the aten kernels take, and it reads (B, S) document ids on the device; where it does not run,
+document ids are read on the host and run as packed documents. Packed documents (``varlen_*``)
+try Triton, then FA2's varlen kernel (which pads V for MLA inside its adapter), then one
+reference call per document. ``merge_into`` combines partial results: one fused Triton kernel on
+CUDA.
 
 Mask arguments, shared by every function here: ``is_causal`` (key j visible to query i when
 j <= i), ``window=(left, right)`` (i-left <= j <= i+right, -1 unbounded), ``attn_mask`` (bool,
@@ -30,22 +32,25 @@ FUSED_VARLEN = tuple(kernel for kernel in (TritonVarlen, FlashVarlen) if kernel 
 REFERENCE = "reference"
 
 
-def _fused_kernel(q, k, v, masking):
-    problem = Problem.of(q, k, v, **masking)
+def _fused_kernel(q, k, v, masking, document_ids=None):
+    problem = Problem.of(q, k, v, **masking, document_ids=document_ids)
     return next((kernel for kernel in FUSED if kernel.supports(problem)), None)
 
 
 def select_kernel(q, k, v, document_ids=None, **masking) -> str:
-    """Name of the kernel that runs this call: 'cudnn', 'triton', 'flash', 'efficient' or 'reference';
-    with document_ids 'varlen:<kernel>', the packed kernel that runs documents in contiguous runs
-    (ids that come back after another run on the reference)."""
+    """Name of the kernel that runs this call: 'cudnn', 'triton', 'flash', 'efficient' or 'reference'.
+    Document ids go to a fused kernel that reads them on the device (Triton) where one takes the
+    call, else to 'varlen:<kernel>', the packed kernel that runs documents in contiguous runs
+    after reading them on the host (ids that come back after another run on the reference)."""
+    kernel = _fused_kernel(q, k, v, masking, document_ids)
+    if kernel is not None:
+        return kernel.name
     if document_ids is not None:
         if masking.get("key_padding_mask") is not None:  # see _documents_as_varlen
             return REFERENCE
         kernel = _varlen_kernel_of(Problem.of(q, k, v, **_positional(masking)))
         return f"varlen:{kernel.name if kernel else REFERENCE}"
-    kernel = _fused_kernel(q, k, v, masking)
-    return kernel.name if kernel else REFERENCE
+    return REFERENCE
 
 
 def _documents_as_varlen(document_ids, masking):
@@ -62,37 +67,45 @@ def _positional(masking):
 
 def attention_forward(q, k, v, *, scale, document_ids=None, **masking):
     """(out, lse): out (B, h_q, S_q, d_v) in q's dtype, lse (B, h_q, S_q) float32 (float64 for float64 q)."""
-    if document_ids is not None:
-        runs = _documents_as_varlen(document_ids, masking)
-        if runs is None:
-            return reference.attention_forward(q, k, v, scale=scale, **{**masking,
-                                                                         "attn_mask": same_document_mask(document_ids)})
-        cu, longest = runs
-        out, lse = varlen_forward(*map(packed, (q, k, v)), cu, cu, longest, longest, scale=scale,
-                                  **_positional(masking))
-        return unpacked(out, q.shape[0]), unpacked(lse, q.shape[0])
-    kernel = _fused_kernel(q, k, v, masking)
+    kernel = _fused_kernel(q, k, v, masking, document_ids)
     if kernel is not None:
-        return kernel.forward(q, k, v, scale=scale, **masking)
+        return kernel.forward(q, k, v, scale=scale, document_ids=document_ids, **masking)
+    if document_ids is not None:
+        return _documents_forward(q, k, v, document_ids, scale, masking)
     return reference.attention_forward(q, k, v, scale=scale, **masking)
 
 
 def attention_backward(dout, q, k, v, out, lse, *, scale, document_ids=None, **masking):
     """(dq, dk, dv). ``out`` and ``lse`` may be the merged result of several calls (ring steps):
     the gradients are then this call's share."""
-    if document_ids is not None:
-        runs = _documents_as_varlen(document_ids, masking)
-        if runs is None:
-            return reference.attention_backward(dout, q, k, v, out, lse, scale=scale,
-                                                **{**masking, "attn_mask": same_document_mask(document_ids)})
-        cu, longest = runs
-        grads = varlen_backward(*map(packed, (dout, q, k, v, out, lse)), cu, cu, longest, longest, scale=scale,
-                                **_positional(masking))
-        return tuple(unpacked(g, q.shape[0]) for g in grads)
-    kernel = _fused_kernel(q, k, v, masking)
+    kernel = _fused_kernel(q, k, v, masking, document_ids)
     if kernel is not None:
-        return kernel.backward(dout, q, k, v, out, lse, scale=scale, **masking)
+        return kernel.backward(dout, q, k, v, out, lse, scale=scale, document_ids=document_ids, **masking)
+    if document_ids is not None:
+        return _documents_backward(dout, q, k, v, out, lse, document_ids, scale, masking)
     return reference.attention_backward(dout, q, k, v, out, lse, scale=scale, **masking)
+
+
+def _documents_forward(q, k, v, document_ids, scale, masking):
+    """Documents read on the host: one packed varlen call, or the reference with their mask."""
+    runs = _documents_as_varlen(document_ids, masking)
+    if runs is None:
+        return reference.attention_forward(q, k, v, scale=scale,
+                                           **{**masking, "attn_mask": same_document_mask(document_ids)})
+    cu, longest = runs
+    out, lse = varlen_forward(*map(packed, (q, k, v)), cu, cu, longest, longest, scale=scale, **_positional(masking))
+    return unpacked(out, q.shape[0]), unpacked(lse, q.shape[0])
+
+
+def _documents_backward(dout, q, k, v, out, lse, document_ids, scale, masking):
+    runs = _documents_as_varlen(document_ids, masking)
+    if runs is None:
+        return reference.attention_backward(dout, q, k, v, out, lse, scale=scale,
+                                            **{**masking, "attn_mask": same_document_mask(document_ids)})
+    cu, longest = runs
+    grads = varlen_backward(*map(packed, (dout, q, k, v, out, lse)), cu, cu, longest, longest, scale=scale,
+                            **_positional(masking))
+    return tuple(unpacked(g, q.shape[0]) for g in grads)
 
 
 def _varlen_kernel_of(problem):

@@ -6,7 +6,8 @@ of triton_forward.py, triton_backward.py and triton_merge.py.
   reference.py. GQA is native, d_qk and d_v are independent (each up to 256), and causal and
   window masks are decided on global positions (``q_offset + i``, ``k_offset + j``), so a ring
   step or a zigzag chunk is one call. A (B, S_k) bool ``key_padding_mask`` (True = a real key)
-  is ANDed with them; a tensor ``attn_mask`` is not taken. The backward takes the final,
+  and (B, S) ``document_ids`` (S_q == S_k, no offsets; read on the device, so the call neither
+  syncs nor stops a CUDA graph) are ANDed with them; a tensor ``attn_mask`` is not taken. The backward takes the final,
   possibly merged, out and LSE and returns this call's share of the gradients.
 - ``varlen_forward`` / ``varlen_backward``: packed (total, H, D) documents with int32
   cumulative lengths starting at 0. Each document starts at position 0 in q and in k (causal
@@ -33,9 +34,9 @@ MAX_HEAD_DIM = 256
 
 
 def supports(p: Problem) -> bool:
-    """CUDA on Ampere or newer (bf16 dots), no tensor mask or document ids, head dims up to 256."""
+    """CUDA on Ampere or newer (bf16 dots), no tensor mask, head dims up to 256."""
     return (
-        p.device_type == "cuda" and not p.has_mask and not p.has_documents and p.dtype in DTYPES
+        p.device_type == "cuda" and not p.has_mask and p.dtype in DTYPES
         and p.d_qk <= MAX_HEAD_DIM and p.d_v <= MAX_HEAD_DIM
         and p.sm >= (8, 0)
     )
@@ -121,6 +122,22 @@ def _check_scale_and_mask(scale, attn_mask=None):
         raise ValueError("attn_mask: the Triton kernels take causal, window and key padding masks only (see supports)")
 
 
+def _document_ids(document_ids, q, k, q_offset, k_offset):
+    """The (B, S) ids with a unit last stride, for queries and keys at the same positions."""
+    if document_ids is None:
+        return None
+    want = (q.shape[0], q.shape[2])
+    if document_ids.dtype.is_floating_point or document_ids.dtype.is_complex or tuple(document_ids.shape) != want:
+        raise ValueError(f"document_ids: expected integer or bool {want}, got {document_ids.dtype} "
+                         f"{tuple(document_ids.shape)}")
+    if document_ids.device != q.device:
+        raise ValueError(f"document_ids: on {document_ids.device}, q on {q.device}")
+    if k.shape[2] != q.shape[2] or q_offset != k_offset:
+        raise ValueError(f"document_ids: queries and keys must share their positions; got S_q={q.shape[2]}, "
+                         f"S_k={k.shape[2]}, q_offset={q_offset}, k_offset={k_offset}")
+    return _unit_last(document_ids)[0]
+
+
 def _key_padding(key_padding_mask, k):
     """The (B, S_k) bool mask with a unit last stride, as the kernels read it."""
     if key_padding_mask is None:
@@ -135,30 +152,32 @@ def _key_padding(key_padding_mask, k):
 
 
 def attention_forward(q, k, v, *, scale, is_causal=False, window=(-1, -1), attn_mask=None, key_padding_mask=None,
-                      q_offset=0, k_offset=0):
+                      q_offset=0, k_offset=0, document_ids=None):
     """Returns (out (B, h_q, S_q, d_v) in q's dtype, lse (B, h_q, S_q) float32)."""
     _check_scale_and_mask(scale, attn_mask)
     q, k, v = _check_inputs(q, k, v)
     k, v = _descriptor_ready(k, v)
     key_padding = _key_padding(key_padding_mask, k)
+    documents = _document_ids(document_ids, q, k, q_offset, k_offset)
     before, after = _reaches(is_causal, window, q_offset, k_offset, max(q.shape[2], k.shape[2]))
     out = empty_out(q, v.shape[-1])
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    forward(q, k, v, out, lse, None, None, q.shape[2], k.shape[2], scale, before, after, key_padding)
+    forward(q, k, v, out, lse, None, None, q.shape[2], k.shape[2], scale, before, after, key_padding, documents)
     return out, lse
 
 
 def attention_backward(dout, q, k, v, out, lse, *, scale, is_causal=False, window=(-1, -1), attn_mask=None,
-                       key_padding_mask=None, q_offset=0, k_offset=0):
+                       key_padding_mask=None, q_offset=0, k_offset=0, document_ids=None):
     """(dq, dk, dv) given the final out and lse, which may merge this call with others."""
     _check_scale_and_mask(scale, attn_mask)
     q, k, v = _descriptor_ready(*_check_inputs(q, k, v))
     key_padding = _key_padding(key_padding_mask, k)
+    documents = _document_ids(document_ids, q, k, q_offset, k_offset)
     dout, out = _check_result(dout, out, lse, q, v)
     before, after = _reaches(is_causal, window, q_offset, k_offset, max(q.shape[2], k.shape[2]))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     backward(dout, q, k, v, out, lse, dq, dk, dv, None, None, q.shape[2], k.shape[2], scale, before, after,
-             key_padding)
+             key_padding, documents)
     return dq, dk, dv
 
 

@@ -8,16 +8,16 @@ given LSE (which may merge several calls, so each call gets exactly its share):
   When a few KV heads would leave the GPU idle, the group is split over several programs
   whose float32 partial sums are added afterwards.
 
-Layouts and the key padding mask are those of triton_forward.py. Masked pairs and rows with
+Layouts, the key padding mask and the document ids are those of triton_forward.py. Masked pairs and rows with
 LSE -inf get P = 0.
 """
 import torch
 import triton
 import triton.language as tl
 
-from .triton_tiles import (LOG2E, autotune, dot_precision, head_blocks, head_start, key_padding_args, key_walk,
-                           launch, load_rows, padding_bounds, query_block, real_keys, rows_of, sequence, short_walk,
-                           store_tile, tile_ranges, visible)
+from .triton_tiles import (LOG2E, autotune, document_args, document_rows, document_tiles, dot_precision, head_blocks,
+                           head_start, key_padding_args, key_walk, launch, load_rows, padding_bounds, query_block,
+                           real_keys, rows_of, same_document, sequence, short_walk, store_tile, tile_ranges, visible)
 
 
 @triton.jit
@@ -28,9 +28,9 @@ def _log2_lse(lse_ptrs, ok):
 
 
 @triton.jit
-def _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, rows, cols, tile_lo, tile_hi, seqlen_k, before,
-              after, qk_scale, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_KEY_PADDING: tl.constexpr,
-              PRECISION: tl.constexpr):
+def _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, row_docs, ids, rows, cols, tile_lo, tile_hi,
+              seqlen_k, before, after, qk_scale, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+              HAS_KEY_PADDING: tl.constexpr, HAS_DOCUMENTS: tl.constexpr, PRECISION: tl.constexpr):
     for tile in range(tile_lo, tile_hi):
         start = tile * BLOCK_N
         keys = start + cols
@@ -39,6 +39,8 @@ def _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, rows, cols, ti
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if MASKED:
             s = tl.where(visible(rows, keys, seqlen_k, before, after), s, float("-inf"))
+            if HAS_DOCUMENTS:
+                s = tl.where(same_document(row_docs, ids, keys, seqlen_k), s, float("-inf"))
         if HAS_KEY_PADDING:
             s = tl.where(real_keys(key_padding, keys, seqlen_k)[None, :], s, float("-inf"))
         p = tl.math.exp2(s * qk_scale - lse[:, None])
@@ -53,15 +55,16 @@ def _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, rows, cols, ti
     key=["BLOCK_DQK", "BLOCK_DV"],
 )
 @triton.jit
-def _dq_kernel(Q, K, V, DO, O, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k, KeyPadding, stride_kpb, KeyBounds,
+def _dq_kernel(Q, K, V, DO, O, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k, KeyPadding, stride_kpb, KeyBounds, Ids,
+               stride_idb, Spans, Runs,
                stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
                stride_vb, stride_vh, stride_vs, stride_dob, stride_doh, stride_dos,
                stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_ls,
                stride_db, stride_dh, stride_ds, stride_dqb, stride_dqh, stride_dqs,
                seqlen_q, seqlen_k, group, before, after, qk_scale, scale,
                D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-               VARLEN: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, PRECISION: tl.constexpr,
-               SHORT_WALK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+               VARLEN: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DOCUMENTS: tl.constexpr,
+               PRECISION: tl.constexpr, SHORT_WALK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     batch, head = tl.program_id(2), tl.program_id(1)
     q_start, seqlen_q, k_start, seqlen_k, real_prefix, first = query_block(cu_seqlens_q, cu_seqlens_k, KeyBounds, batch,
                                                                            seqlen_q, seqlen_k, BLOCK_M, VARLEN,
@@ -85,23 +88,25 @@ def _dq_kernel(Q, K, V, DO, O, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k, KeyPa
     tl.store(delta_ptrs + offs_m * stride_ds, delta, mask=rows_ok)
     lse = _log2_lse(head_start(Lse, batch, head, row, stride_lb, stride_lh, stride_ls) + offs_m * stride_ls, rows_ok)
 
+    ids, spans, runs, row_docs = document_rows(Ids, stride_idb, Spans, Runs, batch, rows, seqlen_q, HAS_DOCUMENTS)
     k_rows, v_rows, lo, full_lo, plain_hi, full_hi, hi = key_walk(K, V, batch, head // group, k_start, seqlen_k,
                                                                   real_prefix, first, last, before, after, stride_kb,
                                                                   stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-                                                                  D_QK, D_V, BLOCK_N, BLOCK_DQK, BLOCK_DV)
+                                                                  spans, runs, D_QK, D_V, BLOCK_M, BLOCK_N, BLOCK_DQK,
+                                                                  BLOCK_DV, HAS_DOCUMENTS)
     key_padding = KeyPadding
     if HAS_KEY_PADDING:
         key_padding += batch * stride_kpb
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
-    dq = _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, rows, cols, lo, full_lo, seqlen_k, before,
-                   after, qk_scale, BLOCK_N, True, HAS_KEY_PADDING, PRECISION)
-    dq = _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, rows, cols, full_lo, plain_hi, seqlen_k, before,
-                   after, qk_scale, BLOCK_N, False, False, PRECISION)
+    dq = _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, row_docs, ids, rows, cols, lo, full_lo,
+                   seqlen_k, before, after, qk_scale, BLOCK_N, True, HAS_KEY_PADDING, HAS_DOCUMENTS, PRECISION)
+    dq = _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, row_docs, ids, rows, cols, full_lo,
+                   plain_hi, seqlen_k, before, after, qk_scale, BLOCK_N, False, False, False, PRECISION)
     if HAS_KEY_PADDING:
-        dq = _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, rows, cols, plain_hi, full_hi, seqlen_k,
-                       before, after, qk_scale, BLOCK_N, False, True, PRECISION)
-    dq = _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, rows, cols, full_hi, hi, seqlen_k, before,
-                   after, qk_scale, BLOCK_N, True, HAS_KEY_PADDING, PRECISION)
+        dq = _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, row_docs, ids, rows, cols, plain_hi,
+                       full_hi, seqlen_k, before, after, qk_scale, BLOCK_N, False, True, False, PRECISION)
+    dq = _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, row_docs, ids, rows, cols, full_hi, hi,
+                   seqlen_k, before, after, qk_scale, BLOCK_N, True, HAS_KEY_PADDING, HAS_DOCUMENTS, PRECISION)
 
     dq_ptrs = head_start(DQ, batch, head, row, stride_dqb, stride_dqh, stride_dqs)
     dq_ptrs += offs_m[:, None] * stride_dqs + d_qk[None, :]
@@ -109,9 +114,10 @@ def _dq_kernel(Q, K, V, DO, O, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k, KeyPa
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, keys, rows, tile_lo, tile_hi,
-                seqlen_q, before, after, qk_scale, stride_ls, stride_ds, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
-                HAS_KEY_PADDING: tl.constexpr, PRECISION: tl.constexpr):
+def _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, key_docs, ids, keys, rows, tile_lo,
+                tile_hi, seqlen_q, before, after, qk_scale, stride_ls, stride_ds, BLOCK_M: tl.constexpr,
+                MASKED: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DOCUMENTS: tl.constexpr,
+                PRECISION: tl.constexpr):
     """Accumulates into dK, dV over query tiles [tile_lo, tile_hi); scores are kept transposed
     (keys x queries), so ``before`` and ``after`` arrive swapped. ``real``: which keys are real."""
     for tile in range(tile_lo, tile_hi):
@@ -126,6 +132,8 @@ def _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, keys,
         s = tl.dot(k, tl.trans(q), input_precision=PRECISION)
         if MASKED:
             s = tl.where(visible(keys, queries, seqlen_q, before, after), s, float("-inf"))
+            if HAS_DOCUMENTS:
+                s = tl.where(same_document(key_docs, ids, queries, seqlen_q), s, float("-inf"))
         if HAS_KEY_PADDING:
             s = tl.where(real[:, None], s, float("-inf"))
         p = tl.math.exp2(s * qk_scale - lse[None, :])
@@ -142,14 +150,15 @@ def _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, keys,
 )
 @triton.jit
 def _dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, cu_seqlens_q, cu_seqlens_k, KeyPadding, stride_kpb, KeyBounds,
+                 Ids, stride_idb, Spans, Runs,
                  stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
                  stride_vb, stride_vh, stride_vs, stride_dob, stride_doh, stride_dos,
                  stride_lb, stride_lh, stride_ls, stride_db, stride_dh, stride_ds,
                  stride_dk_part, stride_dkb, stride_dkh, stride_dks, stride_dv_part, stride_dvb, stride_dvh, stride_dvs,
                  seqlen_q, seqlen_k, group, parts, before, after, qk_scale, scale,
                  D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-                 VARLEN: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, PRECISION: tl.constexpr,
-                 SHORT_WALK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 VARLEN: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DOCUMENTS: tl.constexpr,
+                 PRECISION: tl.constexpr, SHORT_WALK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     batch, kv_head, part = tl.program_id(2), tl.program_id(1) // parts, tl.program_id(1) % parts
     q_start, seqlen_q = sequence(cu_seqlens_q, batch, seqlen_q, VARLEN)
     k_start, seqlen_k = sequence(cu_seqlens_k, batch, seqlen_k, VARLEN)
@@ -172,6 +181,9 @@ def _dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, cu_seqlens_q, cu_seqlens_k, Ke
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     real = keys_ok
     lo, full_lo, full_hi, hi = tile_ranges(first, last, seqlen_q, after, before, BLOCK_M)
+    ids, spans, runs, key_docs = document_rows(Ids, stride_idb, Spans, Runs, batch, keys, seqlen_k, HAS_DOCUMENTS)
+    if HAS_DOCUMENTS:
+        lo, full_lo, full_hi, hi = document_tiles(spans, runs, first, last, lo, full_lo, full_hi, hi, BLOCK_N, BLOCK_M)
     if HAS_KEY_PADDING:
         real = real_keys(KeyPadding + batch * stride_kpb, keys, seqlen_k)
         _, end = padding_bounds(KeyBounds, batch, seqlen_k, HAS_KEY_PADDING)
@@ -187,15 +199,15 @@ def _dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, cu_seqlens_q, cu_seqlens_k, Ke
                           BLOCK_DV)
         lse_ptrs = head_start(Lse, batch, head, q_start, stride_lb, stride_lh, stride_ls) + rows * stride_ls
         delta_ptrs = head_start(Delta, batch, head, q_start, stride_db, stride_dh, stride_ds) + rows * stride_ds
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, keys, rows,
-                             lo, full_lo, seqlen_q, after, before, qk_scale, stride_ls, stride_ds, BLOCK_M,
-                             True, HAS_KEY_PADDING, PRECISION)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, keys, rows,
-                             full_lo, full_hi, seqlen_q, after, before, qk_scale, stride_ls, stride_ds, BLOCK_M,
-                             False, HAS_KEY_PADDING, PRECISION)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, keys, rows,
-                             full_hi, hi, seqlen_q, after, before, qk_scale, stride_ls, stride_ds, BLOCK_M,
-                             True, HAS_KEY_PADDING, PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, key_docs, ids, keys, rows,
+                             lo, full_lo, seqlen_q, after, before, qk_scale, stride_ls, stride_ds, BLOCK_M, True,
+                             HAS_KEY_PADDING, HAS_DOCUMENTS, PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, key_docs, ids, keys, rows,
+                             full_lo, full_hi, seqlen_q, after, before, qk_scale, stride_ls, stride_ds, BLOCK_M, False,
+                             HAS_KEY_PADDING, False, PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, key_docs, ids, keys, rows,
+                             full_hi, hi, seqlen_q, after, before, qk_scale, stride_ls, stride_ds, BLOCK_M, True,
+                             HAS_KEY_PADDING, HAS_DOCUMENTS, PRECISION)
 
     part = tl.cast(part, tl.int64)
     dk_ptrs = head_start(DK + part * stride_dk_part, batch, kv_head, row, stride_dkb, stride_dkh, stride_dks)
@@ -221,9 +233,9 @@ def _packed(grad, varlen):
 
 
 def backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-             scale, before, after, key_padding_mask=None):
-    """Fills ``dq``, ``dk`` and ``dv`` in place; layouts and ``key_padding_mask`` as in
-    ``triton_forward.forward``."""
+             scale, before, after, key_padding_mask=None, document_ids=None):
+    """Fills ``dq``, ``dk`` and ``dv`` in place; layouts, ``key_padding_mask`` and
+    ``document_ids`` as in ``triton_forward.forward``."""
     batch, h_q, s_q = q.shape[:3]
     h_kv = k.shape[1]
     d_qk, d_v = q.shape[-1], v.shape[-1]
@@ -231,9 +243,10 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, ma
     varlen = cu_seqlens_q is not None
     delta = torch.empty(1 if varlen else batch, h_q, s_q, dtype=torch.float32, device=q.device).expand(batch, h_q, s_q)
     common = dict(D_QK=d_qk, D_V=d_v, BLOCK_DQK=head_blocks(d_qk), BLOCK_DV=head_blocks(d_v), VARLEN=varlen,
-                  HAS_KEY_PADDING=key_padding_mask is not None, PRECISION=dot_precision(q.dtype),
+                  HAS_KEY_PADDING=key_padding_mask is not None, HAS_DOCUMENTS=document_ids is not None,
+                  PRECISION=dot_precision(q.dtype),
                   SHORT_WALK=short_walk(before, after))
-    padding = key_padding_args(key_padding_mask)
+    mask_args = (*key_padding_args(key_padding_mask), *document_args(document_ids))
     qk_scale = scale * LOG2E.value
 
     def dq_grid(meta):
@@ -241,7 +254,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, ma
 
     launch(
         _dq_kernel, dq_grid, q.device,
-        q, k, v, dout, out, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *padding,
+        q, k, v, dout, out, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *mask_args,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *out.stride()[:3],
         *lse.stride(), *delta.stride(), *dq.stride()[:3],
         max_seqlen_q, max_seqlen_k, group, before, after, qk_scale, scale, **common,
@@ -259,7 +272,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, ma
 
     launch(
         _dkdv_kernel, dkdv_grid, q.device,
-        q, k, v, dout, lse, delta, dk_parts, dv_parts, cu_seqlens_q, cu_seqlens_k, *padding,
+        q, k, v, dout, lse, delta, dk_parts, dv_parts, cu_seqlens_q, cu_seqlens_k, *mask_args,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *lse.stride(), *delta.stride(),
         dk_parts.stride(0), *dk_parts.stride()[1:4], dv_parts.stride(0), *dv_parts.stride()[1:4],
         max_seqlen_q, max_seqlen_k, group, parts, before, after, qk_scale, scale, **common,

@@ -6,19 +6,21 @@ through tensor descriptors (``rows_of``), with 16-byte aligned other strides and
 packed varlen inputs B counts documents, the batch stride is 0, and ``cu_seqlens`` gives each document's rows.
 A dense call may add a (B, S_k) uint8 key padding mask, nonzero for a real key, with each
 sequence's ``padding_bounds``: key tiles after the last real key are skipped, and tiles before the
-first padded key run without loading the mask.
+first padded key run without loading the mask. It may also add (B, S) document ids
+(``triton_tiles.document_args``), read on the device.
 """
 import triton
 import triton.language as tl
 
-from .triton_tiles import (LN2, LOG2E, autotune, dot_precision, head_blocks, head_start, key_padding_args, key_walk,
-                           launch, load_rows, query_block, real_keys, short_walk, store_tile, visible)
+from .triton_tiles import (LN2, LOG2E, autotune, document_args, document_rows, dot_precision, head_blocks,
+                           head_start, key_padding_args, key_walk, launch, load_rows, query_block, real_keys,
+                           same_document, short_walk, store_tile, visible)
 
 
 @triton.jit
-def _attend(acc, row_sum, row_max, q, k_rows, v_rows, key_padding, rows, cols, tile_lo, tile_hi, seqlen_k, before,
-            after, qk_scale, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_KEY_PADDING: tl.constexpr,
-            PRECISION: tl.constexpr):
+def _attend(acc, row_sum, row_max, q, k_rows, v_rows, key_padding, row_docs, ids, rows, cols, tile_lo, tile_hi,
+            seqlen_k, before, after, qk_scale, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+            HAS_KEY_PADDING: tl.constexpr, HAS_DOCUMENTS: tl.constexpr, PRECISION: tl.constexpr):
     """Online softmax of the query block over key tiles [tile_lo, tile_hi), in base 2."""
     for tile in range(tile_lo, tile_hi):
         start = tile * BLOCK_N
@@ -28,6 +30,8 @@ def _attend(acc, row_sum, row_max, q, k_rows, v_rows, key_padding, rows, cols, t
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if MASKED:
             s = tl.where(visible(rows, keys, seqlen_k, before, after), s, float("-inf"))
+            if HAS_DOCUMENTS:
+                s = tl.where(same_document(row_docs, ids, keys, seqlen_k), s, float("-inf"))
         if HAS_KEY_PADDING:
             s = tl.where(real_keys(key_padding, keys, seqlen_k)[None, :], s, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(s, 1) * qk_scale)
@@ -49,14 +53,15 @@ def _attend(acc, row_sum, row_max, q, k_rows, v_rows, key_padding, rows, cols, t
     key=["BLOCK_DQK", "BLOCK_DV"],
 )
 @triton.jit
-def _forward_kernel(Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, KeyPadding, stride_kpb, KeyBounds,
+def _forward_kernel(Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, KeyPadding, stride_kpb, KeyBounds, Ids, stride_idb,
+                    Spans, Runs,
                     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
                     stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
                     stride_lb, stride_lh, stride_ls,
                     seqlen_q, seqlen_k, group, before, after, qk_scale,
                     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-                    VARLEN: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, PRECISION: tl.constexpr,
-                    SHORT_WALK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    VARLEN: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DOCUMENTS: tl.constexpr,
+                    PRECISION: tl.constexpr, SHORT_WALK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     batch, head = tl.program_id(2), tl.program_id(1)
     q_start, seqlen_q, k_start, seqlen_k, real_prefix, first = query_block(cu_seqlens_q, cu_seqlens_k, KeyBounds, batch,
                                                                            seqlen_q, seqlen_k, BLOCK_M, VARLEN,
@@ -70,10 +75,12 @@ def _forward_kernel(Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, KeyPadding, s
     d_v = tl.arange(0, BLOCK_DV)
 
     q = load_rows(Q, batch, head, q_start, first, seqlen_q, stride_qb, stride_qh, stride_qs, D_QK, BLOCK_M, BLOCK_DQK)
+    ids, spans, runs, row_docs = document_rows(Ids, stride_idb, Spans, Runs, batch, rows, seqlen_q, HAS_DOCUMENTS)
     k_rows, v_rows, lo, full_lo, plain_hi, full_hi, hi = key_walk(K, V, batch, head // group, k_start, seqlen_k,
                                                                   real_prefix, first, last, before, after, stride_kb,
                                                                   stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-                                                                  D_QK, D_V, BLOCK_N, BLOCK_DQK, BLOCK_DV)
+                                                                  spans, runs, D_QK, D_V, BLOCK_M, BLOCK_N,
+                                                                  BLOCK_DQK, BLOCK_DV, HAS_DOCUMENTS)
     key_padding = KeyPadding
     if HAS_KEY_PADDING:
         key_padding += batch * stride_kpb
@@ -81,15 +88,19 @@ def _forward_kernel(Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, KeyPadding, s
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    acc, row_sum, row_max = _attend(acc, row_sum, row_max, q, k_rows, v_rows, key_padding, rows, cols, lo, full_lo,
-                                    seqlen_k, before, after, qk_scale, BLOCK_N, True, HAS_KEY_PADDING, PRECISION)
-    acc, row_sum, row_max = _attend(acc, row_sum, row_max, q, k_rows, v_rows, key_padding, rows, cols, full_lo,
-                                    plain_hi, seqlen_k, before, after, qk_scale, BLOCK_N, False, False, PRECISION)
+    acc, row_sum, row_max = _attend(acc, row_sum, row_max, q, k_rows, v_rows, key_padding, row_docs, ids, rows,
+                                    cols, lo, full_lo, seqlen_k, before, after, qk_scale, BLOCK_N, True,
+                                    HAS_KEY_PADDING, HAS_DOCUMENTS, PRECISION)
+    acc, row_sum, row_max = _attend(acc, row_sum, row_max, q, k_rows, v_rows, key_padding, row_docs, ids, rows,
+                                    cols, full_lo, plain_hi, seqlen_k, before, after, qk_scale, BLOCK_N, False, False,
+                                    False, PRECISION)
     if HAS_KEY_PADDING:
-        acc, row_sum, row_max = _attend(acc, row_sum, row_max, q, k_rows, v_rows, key_padding, rows, cols, plain_hi,
-                                        full_hi, seqlen_k, before, after, qk_scale, BLOCK_N, False, True, PRECISION)
-    acc, row_sum, row_max = _attend(acc, row_sum, row_max, q, k_rows, v_rows, key_padding, rows, cols, full_hi, hi,
-                                    seqlen_k, before, after, qk_scale, BLOCK_N, True, HAS_KEY_PADDING, PRECISION)
+        acc, row_sum, row_max = _attend(acc, row_sum, row_max, q, k_rows, v_rows, key_padding, row_docs, ids, rows,
+                                        cols, plain_hi, full_hi, seqlen_k, before, after, qk_scale, BLOCK_N, False,
+                                        True, False, PRECISION)
+    acc, row_sum, row_max = _attend(acc, row_sum, row_max, q, k_rows, v_rows, key_padding, row_docs, ids, rows,
+                                    cols, full_hi, hi, seqlen_k, before, after, qk_scale, BLOCK_N, True,
+                                    HAS_KEY_PADDING, HAS_DOCUMENTS, PRECISION)
     seen = row_sum > 0
     row_sum = tl.where(seen, row_sum, 1.0)
     lse = tl.where(seen, (row_max + tl.math.log2(row_sum)) * LN2, float("-inf"))
@@ -101,9 +112,10 @@ def _forward_kernel(Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, KeyPadding, s
 
 
 def forward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, before, after,
-            key_padding_mask=None):
+            key_padding_mask=None, document_ids=None):
     """Fills ``out`` (B, H_q, S_q, d_v) and ``lse`` (B, H_q, S_q) float32 in place;
-    ``key_padding_mask`` is None or (B, S_k) bool with a unit last stride."""
+    ``key_padding_mask`` is None or (B, S_k) bool with a unit last stride; ``document_ids`` None
+    or (B, S) ids of a dense call with S_q == S_k."""
     batch, h_q = q.shape[:2]
     d_qk, d_v = q.shape[-1], v.shape[-1]
 
@@ -113,9 +125,10 @@ def forward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     launch(
         _forward_kernel, grid, q.device,
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *key_padding_args(key_padding_mask),
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *lse.stride(),
+        *document_args(document_ids), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        *lse.stride(),
         max_seqlen_q, max_seqlen_k, h_q // k.shape[1], before, after, scale * LOG2E.value,
         D_QK=d_qk, D_V=d_v, BLOCK_DQK=head_blocks(d_qk), BLOCK_DV=head_blocks(d_v), VARLEN=cu_seqlens_q is not None,
-        HAS_KEY_PADDING=key_padding_mask is not None, PRECISION=dot_precision(q.dtype),
-        SHORT_WALK=short_walk(before, after),
+        HAS_KEY_PADDING=key_padding_mask is not None, HAS_DOCUMENTS=document_ids is not None,
+        PRECISION=dot_precision(q.dtype), SHORT_WALK=short_walk(before, after),
     )

@@ -4,6 +4,8 @@ tile, where a sequence and a head start, and the autotuning configurations.
 Masks are given as reaches: row r sees column c when ``r - before <= c <= r + after`` and
 ``c < n_cols``. The op boundary folds the causal/window bounds and the position offsets into
 these two numbers; an unbounded side is ``UNBOUNDED``, farther than any two positions can be.
+Packed documents in a dense batch (``document_args``) AND a same-document test into the masked
+tiles and narrow the tiles a block visits to its rows' documents.
 """
 import contextvars
 import os
@@ -189,17 +191,119 @@ def query_block(cu_seqlens_q, cu_seqlens_k, key_bounds, batch, seqlen_q, seqlen_
 
 @triton.jit
 def key_walk(K, V, batch, kv_head, k_start, seqlen_k, real_prefix, first, last, before, after, stride_kb, stride_kh,
-             stride_ks, stride_vb, stride_vh, stride_vs, D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr):
+             stride_ks, stride_vb, stride_vh, stride_vs, spans, runs, D_QK: tl.constexpr, D_V: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+             HAS_DOCUMENTS: tl.constexpr):
     """What query rows [first, last] walk over: descriptors of their KV head's keys and values,
     and key tiles cut at ``lo <= full_lo <= plain_hi <= full_hi <= hi``: [lo, full_lo) and
-    [full_hi, hi) take the position mask, [full_lo, plain_hi) no mask (no padding key either),
-    [plain_hi, full_hi) the key padding mask only."""
+    [full_hi, hi) take the position (and document) mask, [full_lo, plain_hi) no mask (no padding
+    key either), [plain_hi, full_hi) the key padding mask only."""
     k_rows = rows_of(K, batch, kv_head, k_start, seqlen_k, stride_kb, stride_kh, stride_ks, D_QK, BLOCK_N, BLOCK_DQK)
     v_rows = rows_of(V, batch, kv_head, k_start, seqlen_k, stride_vb, stride_vh, stride_vs, D_V, BLOCK_N, BLOCK_DV)
     lo, full_lo, full_hi, hi = tile_ranges(first, last, seqlen_k, before, after, BLOCK_N)
+    if HAS_DOCUMENTS:
+        lo, full_lo, full_hi, hi = document_tiles(spans, runs, first, last, lo, full_lo, full_hi, hi, BLOCK_M,
+                                                  BLOCK_N)
     plain_hi = tl.minimum(tl.maximum(real_prefix // BLOCK_N, full_lo), full_hi)
     return k_rows, v_rows, lo, full_lo, plain_hi, full_hi, hi
+
+
+@triton.jit
+def document_tiles(spans, runs, first, last, lo, full_lo, full_hi, hi, BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """``tile_ranges``' cuts narrowed to the documents of rows [first, last] (rows of q, or, in
+    the dK/dV kernel, of k: the two share their positions). ``spans`` and ``runs`` are the batch
+    row's (``document_args``): tiles outside the rows' spans hold no pair of one document, and, in
+    a row of runs, tiles inside every row's span only pairs of one document."""
+    rows = first + tl.arange(0, BLOCK_ROWS)
+    ok = rows <= last
+    span_lo = tl.load(spans + 2 * rows, mask=ok, other=0)  # <= its row
+    span_hi = tl.load(spans + 2 * rows + 1, mask=ok, other=0)  # > its row
+    widest_hi = tl.max(span_hi, 0)
+    lo = tl.maximum(lo, tl.min(tl.where(ok, span_lo, last), 0) // BLOCK)
+    hi = tl.maximum(tl.minimum(hi, tl.cdiv(widest_hi, BLOCK)), lo)
+    in_runs = tl.load(runs) != 0
+    full_lo = tl.where(in_runs, tl.maximum(full_lo, tl.cdiv(tl.max(span_lo, 0), BLOCK)), hi)
+    full_hi = tl.minimum(full_hi, tl.min(tl.where(ok, span_hi, widest_hi), 0) // BLOCK)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def document_of(ids, rows, n_rows):
+    """The document ids of ``rows``; rows past ``n_rows`` read 0 (the position masks hide them)."""
+    return tl.load(ids + rows, mask=rows < n_rows, other=0)
+
+
+@triton.jit
+def document_rows(Ids, stride_idb, Spans, Runs, batch, rows, n_rows, HAS_DOCUMENTS: tl.constexpr):
+    """(ids, spans, runs, docs): one batch row's ids, spans (``document_args``, with S_q == S_k ==
+    n_rows) and runs flag, and the ids of ``rows``. Without documents, placeholders no code reads
+    (0, not None: a compiled kernel cannot hold None in a tuple)."""
+    if HAS_DOCUMENTS:
+        ids = Ids + batch * stride_idb
+        return ids, Spans + batch * 2 * n_rows, Runs + batch, document_of(ids, rows, n_rows)
+    else:
+        return 0, 0, 0, rows
+
+
+@triton.jit
+def same_document(row_docs, ids, cols, n_cols):
+    """(rows, cols) mask of the pairs in one document, given the rows' ``document_of``."""
+    return row_docs[:, None] == document_of(ids, cols, n_cols)[None, :]
+
+
+@triton.jit
+def _larger(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _document_spans_kernel(ids, stride_b, n, spans, runs, BLOCK: tl.constexpr):
+    """One program per batch row: its ``document_args`` spans and runs flag, in three passes over
+    the row (rising?, then each run's first token forwards, then its end backwards)."""
+    row = ids + tl.program_id(0) * stride_b
+    out = spans + tl.program_id(0) * 2 * n
+    falls = 0
+    for start in range(0, n, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        inside = (i > 0) & (i < n)
+        falls += tl.sum((tl.load(row + i, mask=inside) < tl.load(row + i - 1, mask=inside)).to(tl.int32), 0)
+    rising = falls == 0
+    carry = 0
+    for start in range(0, n, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        inside = i < n
+        new = (i == 0) | (tl.load(row + i, mask=inside) != tl.load(row + i - 1, mask=inside & (i > 0)))
+        first = tl.maximum(tl.associative_scan(tl.where(new & inside, i, 0), 0, _larger), carry)
+        carry = tl.max(first, 0)
+        tl.store(out + 2 * i, tl.where(rising, first, 0), mask=inside)
+    carry = -n  # the end scan runs over -i from the row's end, so it keeps maxima of -(end) too
+    for back in range(0, n, BLOCK):
+        i = n - 1 - back - tl.arange(0, BLOCK)
+        inside = i >= 0
+        last = (i == n - 1) | (tl.load(row + i, mask=inside) != tl.load(row + i + 1, mask=inside & (i < n - 1)))
+        end = tl.maximum(tl.associative_scan(tl.where(last & inside, -(i + 1), -n), 0, _larger), carry)
+        carry = tl.max(end, 0)
+        tl.store(out + 2 * i + 1, tl.where(rising, -end, n), mask=inside)
+    tl.store(runs + tl.program_id(0), rising.to(tl.int32))
+
+
+def document_args(document_ids):
+    """The kernels' document arguments for (B, S) ids with a unit last stride, or None: the ids
+    (bool as uint8), their batch stride, int32 (B, S, 2) spans and int32 (B,) runs flags. A row
+    whose ids never fall (Hugging Face's packing: ids that count the documents) is a row of runs:
+    token i's span is [first, end) of its run, and tiles inside one run skip the mask. Any other
+    row is exact too, with the mask everywhere: its spans are the whole row."""
+    if document_ids is None:
+        return None, 0, None, None
+    ids = document_ids.view(torch.uint8) if document_ids.dtype == torch.bool else document_ids
+    batch, n = ids.shape
+    spans = torch.empty(batch, n, 2, dtype=torch.int32, device=ids.device)
+    runs = torch.empty(batch, dtype=torch.int32, device=ids.device)
+    if n:
+        _document_spans_kernel[(batch,)](ids, ids.stride(0), n, spans, runs, BLOCK=1024)
+    return ids, ids.stride(0), spans, runs
 
 
 @triton.jit

@@ -22,10 +22,11 @@ if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
 pytest.importorskip("triton", reason="the Triton kernels need the triton package")
 
 from attn_compile.kernels import reference, triton_attention as ta  # noqa: E402
+from attn_compile.kernels.documents import same_document_mask  # noqa: E402
 from attn_compile.kernels.problem import Problem  # noqa: E402
 from attn_compile.kernels.triton_backward import _dkdv_kernel, _dq_kernel  # noqa: E402
 from attn_compile.kernels.triton_forward import _forward_kernel  # noqa: E402
-from attn_compile.kernels.triton_tiles import dot_precision, key_padding_args, short_walk  # noqa: E402
+from attn_compile.kernels.triton_tiles import document_args, dot_precision, key_padding_args, short_walk  # noqa: E402
 from oracle import naive_attention, rel_err  # noqa: E402
 from shapes import make_qkv  # noqa: E402
 
@@ -204,6 +205,83 @@ def test_invisible_tiles_are_never_loaded():
     _assert_close(got, want, TOL[torch.float32])
 
 
+def _check_documents(heads, document_ids, dtype=torch.float32, **masking):
+    """Document ids read on the device, against the oracle given their (B, 1, S, S) mask."""
+    s = document_ids.shape[1]
+    q, k, v = make_qkv(heads, batch=document_ids.shape[0], s_q=s, dtype=dtype, device=DEVICE, requires_grad=False)
+    dout = torch.randn(*q.shape[:-1], v.shape[-1], dtype=dtype, device=DEVICE)
+    masking.setdefault("scale", q.shape[-1] ** -0.5)
+    got = _run(q, k, v, dout, document_ids=document_ids.to(DEVICE), **masking)
+    _assert_close(got, _oracle(q, k, v, dout, attn_mask=same_document_mask(document_ids), **masking), TOL[dtype])
+
+
+def _runs(*lengths):
+    """One batch row of ids: a document of each length, in order."""
+    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+
+
+DOCUMENT_IDS = {  # (B, 48): boundaries inside 16-row tiles and on them, one document over a whole row
+    "runs": torch.stack([_runs(5, 11, 16, 3, 13), _runs(48)]),
+    "ids that come back": torch.stack([torch.arange(48) // 5 % 3, _runs(20, 28).flip(0)]),
+    "one token each": torch.stack([torch.arange(48), torch.arange(48) // 2]),
+}
+DOCUMENT_MASKS = {
+    "causal": dict(is_causal=True),
+    "full": {},
+    "causal window": dict(is_causal=True, window=(6, -1)),
+    "window": dict(window=(9, 4)),
+}
+
+
+@pytest.mark.parametrize("mask", list(DOCUMENT_MASKS))
+@pytest.mark.parametrize("ids", list(DOCUMENT_IDS))
+def test_document_ids(ids, mask):
+    torch.manual_seed(13)
+    _check_documents("mla", DOCUMENT_IDS[ids], **DOCUMENT_MASKS[mask])
+
+
+def test_document_ids_with_key_padding():
+    """Documents and key padding ANDed: row 0 left-padded inside its first document, row 1 padded
+    on the right over whole documents; the ids come as a strided view."""
+    torch.manual_seed(14)
+    ids = DOCUMENT_IDS["runs"].t().contiguous().t()  # a last stride of 2: copied for the kernels
+    ids[1] = _runs(10, 25, 13)
+    _check_documents("gqa", ids, is_causal=True, key_padding_mask=_key_padding(2, 48, left=3, right=20).cpu())
+
+
+def test_document_spans():
+    """Rows whose ids never fall: each token's span is its run, and the row is flagged as runs
+    (runs of one id, over several 1024-token blocks of the spans kernel). Any other row: the whole
+    row, unflagged."""
+    ids = torch.stack([_runs(3, 1, 2000, 500, 96), torch.arange(2600) // 700 % 2, torch.full((2600,), -4)])
+    got_ids, stride, spans, runs = document_args(ids.to(DEVICE))
+    assert torch.equal(got_ids.cpu(), ids) and stride == 2600 and runs.tolist() == [1, 0, 1]
+    cuts = [0, 3, 4, 2004, 2504, 2600]
+    first = torch.cat([torch.full((b - a,), a) for a, b in zip(cuts, cuts[1:])])
+    end = torch.cat([torch.full((b - a,), b) for a, b in zip(cuts, cuts[1:])])
+    assert torch.equal(spans[0].cpu(), torch.stack([first, end], 1).int())
+    assert torch.all(spans[1, :, 0] == 0) and torch.all(spans[1, :, 1] == 2600)
+    assert torch.all(spans[2, :, 0] == 0) and torch.all(spans[2, :, 1] == 2600)
+    bools = document_args(torch.tensor([[True, True, False]], device=DEVICE))
+    assert bools[0].dtype == torch.uint8 and bools[3].tolist() == [0]
+
+
+def test_tiles_of_other_documents_are_never_loaded():
+    """Documents on whole 16-row tiles: the middle one's results stay exact with NaN keys and
+    values in every tile of the other two, so none of those tiles was read for it."""
+    torch.manual_seed(15)
+    ids = _runs(16, 32, 16)[None].to(DEVICE)
+    q, k, v = make_qkv("gqa", batch=1, s_q=64, device=DEVICE, requires_grad=False)
+    dout = torch.randn(*q.shape[:-1], v.shape[-1], device=DEVICE)
+    masking = dict(scale=0.3, is_causal=True)
+    middle = slice(16, 48)
+    want = _oracle(*(x[:, :, middle] for x in (q, k, v, dout)), **masking)
+    for x in (k, v):
+        x[:, :, :16] = x[:, :, 48:] = float("nan")
+    got = _run(q, k, v, dout, document_ids=ids, **masking)
+    _assert_close([x[:, :, middle] for x in got], want, TOL[torch.float32])
+
+
 def _document(x, start, end):
     """Rows [start, end) of a packed (total, H, ...) tensor as a batch of one, (1, H, end - start, ...)."""
     return x[start:end].transpose(0, 1)[None]
@@ -302,6 +380,7 @@ def _bad_calls():
         "key_padding_mask": lambda: ta.attention_backward(out, q, k, v, out, lse, scale=1.0,
                                                           key_padding_mask=torch.ones(1, 8, dtype=torch.bool)),
         "scale": lambda: ta.attention_forward(q, k, v, scale=-1.0),
+        "document_ids": lambda: ta.attention_forward(q, k, v, scale=1.0, document_ids=torch.zeros(2, 8)),
         "k:": lambda: ta.attention_forward(q[:, :3], k, v, scale=1.0),
         "v:": lambda: ta.attention_forward(q, k, v.half(), scale=1.0),
         "q:": lambda: ta.attention_forward(q.new_zeros(*q.shape[:-1], 320), k, v, scale=1.0),
@@ -346,7 +425,8 @@ def test_supports():
 
     base = Problem.of(like(1, 64, 4096, 192), like(1, 4, 4096, 192), like(1, 4, 4096, 128), is_causal=True,
                       window=(1023, -1), q_offset=4096)
-    assert ta.supports(base) == ta.supports(replace(base, has_key_padding=True)) == torch.cuda.is_available()
+    assert ta.supports(base) == ta.supports(replace(base, has_key_padding=True, has_documents=True)) == \
+        torch.cuda.is_available()
     for change in (dict(device_type="cpu"), dict(has_mask=True),
                    dict(dtype=torch.float64), dict(d_qk=320)):
         assert not ta.supports(replace(base, **change)), change
@@ -432,3 +512,23 @@ def test_gpu_bf16_varlen():
     dout = torch.randn(sum(lens), 8, 128, device="cuda", dtype=torch.bfloat16)
     _poison_free_memory()
     _check_varlen(q, k, v, dout, cu, cu, TOL[torch.bfloat16], scale=192 ** -0.5, is_causal=True)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_document_ids():
+    """Documents read on the device over many tiles: runs with boundaries inside tiles, and ids that
+    come back, with GQA+MLA, causal with a window, and key padding."""
+    torch.manual_seed(16)
+    runs = torch.repeat_interleave(torch.arange(6), torch.tensor([1, 300, 7, 257, 3, 432]))
+    ids = torch.stack([runs, torch.arange(1000) // 70 % 4]).cuda()
+    q = torch.randn(2, 8, 1000, 192, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 2, 1000, 192, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(2, 2, 1000, 128, device="cuda", dtype=torch.bfloat16)
+    dout = torch.randn(2, 8, 1000, 128, device="cuda", dtype=torch.bfloat16)
+    for masking in (dict(is_causal=True), dict(is_causal=True, window=(200, -1), key_padding_mask=_key_padding(
+            2, 1000, left=150, right=90))):
+        masking["scale"] = 192 ** -0.5
+        _poison_free_memory()
+        got = _run(q, k, v, dout, document_ids=ids, **masking)
+        _assert_close(got, _oracle(q, k, v, dout, attn_mask=same_document_mask(ids), **masking),
+                      TOL[torch.bfloat16])
