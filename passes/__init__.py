@@ -78,8 +78,9 @@ def _slower_than_as_is(call: AttentionCall):
 
 def _unrecordable(call: AttentionCall, cuda_graphs: bool):
     """Only the kernels that take document ids on the device (Triton) can be recorded with them."""
-    on_host = call.document_ids is not None and kernel_of(call).startswith("varlen:")
-    if cuda_graphs and on_host and example_tensor(call.q).device.type == "cuda":
+    if not cuda_graphs or call.document_ids is None or example_tensor(call.q).device.type != "cuda":
+        return None
+    if kernel_of(call).startswith("varlen:"):
         return ("its document ids would be read on the host (to cut the batch into runs), which a CUDA graph "
                 "cannot record; as it is, the site records")
     return None
