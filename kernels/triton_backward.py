@@ -31,6 +31,9 @@ def _log2_lse(lse_ptrs, ok):
 def _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, row_docs, ids, rows, cols, tile_lo, tile_hi,
               seqlen_k, before, after, qk_scale, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
               HAS_KEY_PADDING: tl.constexpr, HAS_DOCUMENTS: tl.constexpr, PRECISION: tl.constexpr):
+    """dQ over key tiles [tile_lo, tile_hi). The backward keeps a loop per kind of tile, unlike the
+    forward's ``_attend``: one loop gained on windows, documents and MLA but lost 2-5% on key
+    padding and ring steps (BENCHMARKS.md)."""
     for tile in range(tile_lo, tile_hi):
         start = tile * BLOCK_N
         keys = start + cols
