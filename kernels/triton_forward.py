@@ -52,7 +52,7 @@ def _attend(acc, row_sum, row_max, q, k_rows, v_rows, key_padding, row_docs, ids
 
 
 @autotune(
-    small=[(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 32, 4, 4)],
+    small=[(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)],
     large=[(128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3)],
     key=["BLOCK_DQK", "BLOCK_DV"],
 )
