@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from .triton_tiles import (LOG2E, autotune, document_args, document_rows, document_tiles, dot_precision, head_blocks,
-                           head_start, key_padding_args, key_walk, launch, load_rows, padding_bounds, query_block,
-                           real_keys, rows_of, same_document, sequence, short_walk, store_tile, tile_ranges, visible)
+                           head_start, key_padding_args, key_walk, launch, load_rows, padding_bounds, position_mask,
+                           query_block, real_keys, rows_of, sequence, short_walk, store_tile, tile_ranges)
 
 
 @triton.jit
@@ -41,9 +41,7 @@ def _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, row_docs, ids,
         v = v_rows.load([start, 0])
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if MASKED:
-            s = tl.where(visible(rows, keys, seqlen_k, before, after), s, float("-inf"))
-            if HAS_DOCUMENTS:
-                s = tl.where(same_document(row_docs, ids, keys, seqlen_k), s, float("-inf"))
+            s = position_mask(s, rows, keys, seqlen_k, before, after, row_docs, ids, HAS_DOCUMENTS)
         if HAS_KEY_PADDING:
             s = tl.where(real_keys(key_padding, keys, seqlen_k)[None, :], s, float("-inf"))
         p = tl.math.exp2(s * qk_scale - lse[:, None])
@@ -134,9 +132,7 @@ def _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, key_d
         delta = tl.load(delta_ptrs + offset * stride_ds, mask=ok, other=0.0)
         s = tl.dot(k, tl.trans(q), input_precision=PRECISION)
         if MASKED:
-            s = tl.where(visible(keys, queries, seqlen_q, before, after), s, float("-inf"))
-            if HAS_DOCUMENTS:
-                s = tl.where(same_document(key_docs, ids, queries, seqlen_q), s, float("-inf"))
+            s = position_mask(s, keys, queries, seqlen_q, before, after, key_docs, ids, HAS_DOCUMENTS)
         if HAS_KEY_PADDING:
             s = tl.where(real[:, None], s, float("-inf"))
         p = tl.math.exp2(s * qk_scale - lse[None, :])

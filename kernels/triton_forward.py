@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 
 from .triton_tiles import (LN2, LOG2E, autotune, document_args, document_rows, dot_precision, head_blocks,
-                           head_start, key_padding_args, key_walk, launch, load_rows, query_block, real_keys,
-                           same_document, short_walk, store_tile, visible)
+                           head_start, key_padding_args, key_walk, launch, load_rows, position_mask, query_block,
+                           real_keys, short_walk, store_tile)
 
 
 @triton.jit
@@ -33,9 +33,7 @@ def _attend(acc, row_sum, row_max, q, k_rows, v_rows, key_padding, row_docs, ids
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         edge = (tile < full_lo) | (tile >= full_hi)
         if edge:
-            s = tl.where(visible(rows, keys, seqlen_k, before, after), s, float("-inf"))
-            if HAS_DOCUMENTS:
-                s = tl.where(same_document(row_docs, ids, keys, seqlen_k), s, float("-inf"))
+            s = position_mask(s, rows, keys, seqlen_k, before, after, row_docs, ids, HAS_DOCUMENTS)
         if HAS_KEY_PADDING:
             if edge | (tile >= plain_hi):
                 s = tl.where(real_keys(key_padding, keys, seqlen_k)[None, :], s, float("-inf"))

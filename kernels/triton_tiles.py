@@ -254,6 +254,16 @@ def same_document(row_docs, ids, cols, n_cols):
 
 
 @triton.jit
+def position_mask(s, rows, cols, n_cols, before, after, row_docs, ids, HAS_DOCUMENTS: tl.constexpr):
+    """Scores ``s`` of (rows, cols) with -inf where the pair does not see each other: outside
+    the reaches (``visible``) or, with documents, in two documents (``same_document``)."""
+    s = tl.where(visible(rows, cols, n_cols, before, after), s, float("-inf"))
+    if HAS_DOCUMENTS:
+        s = tl.where(same_document(row_docs, ids, cols, n_cols), s, float("-inf"))
+    return s
+
+
+@triton.jit
 def _larger(a, b):
     return tl.maximum(a, b)
 
