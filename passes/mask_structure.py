@@ -37,7 +37,7 @@ from .mask_proof import prove
 from .mask_trace import MaskTracer, Unsupported, fixed_unit_axes
 from .nodes import is_mutated
 from .position_runs import as_index_comparisons
-from .shapes import example_tensor, hinted_shape, known_shape
+from .shapes import example_tensor, guarded_shape, hinted_shape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +142,7 @@ def classify(formula, batch_of_one: bool = False) -> Structure:
 
 def _check_key_padding(node: Node, call: AttentionCall) -> None:
     padding, q, k = (example_tensor(n) for n in (node, call.q, call.k))
-    if padding.dtype != torch.bool or not known_shape(padding, (q.shape[0], k.shape[2])):
+    if padding.dtype != torch.bool or not guarded_shape(padding, (q.shape[0], k.shape[2])):
         raise Unsupported(f"key padding {node.name} is {padding.dtype} {hinted_shape(padding)}, not bool (B, S_k)")
     if is_mutated(node):
         raise Unsupported(f"key padding {node.name} is modified in place")
@@ -150,8 +150,8 @@ def _check_key_padding(node: Node, call: AttentionCall) -> None:
 
 def _check_documents(node: Node, call: AttentionCall) -> None:
     ids, q, k = (example_tensor(n) for n in (node, call.q, call.k))
-    if ids.dtype.is_floating_point or not known_shape(ids, (q.shape[0], q.shape[2])) or \
-            not known_shape(k, (*k.shape[:2], q.shape[2], k.shape[3])):
+    if ids.dtype.is_floating_point or not guarded_shape(ids, (q.shape[0], q.shape[2])) or \
+            not guarded_shape(k, (*k.shape[:2], q.shape[2], k.shape[3])):
         raise Unsupported(f"document ids {node.name} are {ids.dtype} {hinted_shape(ids)}, not integer (B, S) with "
                           f"S_q == S_k")
     if is_mutated(node):

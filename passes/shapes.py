@@ -1,4 +1,5 @@
-"""Traced tensor values of graph nodes, read without adding shape guards."""
+"""Traced tensor values of graph nodes, read without adding shape guards, except where
+``guarded_shape`` says so."""
 import math
 from typing import NamedTuple, Optional
 
@@ -48,6 +49,15 @@ def known_equal(a, b) -> bool:
 
 def known_shape(t: torch.Tensor, shape) -> bool:
     return t.dim() == len(shape) and all(known_equal(s, e) for s, e in zip(t.shape, shape))
+
+
+def guarded_shape(t: torch.Tensor, shape) -> bool:
+    """Whether t has ``shape``. Sizes that are equal as traced but not for every value of their
+    symbols (the lengths of two inputs that dynamo made dynamic apart, say) are made equal by a
+    guard: a later call where they differ compiles again instead of running this graph."""
+    if t.dim() != len(shape) or any(_hint(s) != _hint(e) for s, e in zip(t.shape, shape)):
+        return False
+    return all(known_equal(s, e) or bool(s == e) for s, e in zip(t.shape, shape))  # bool() installs the guard
 
 
 def constant_int(value) -> Optional[int]:

@@ -256,6 +256,32 @@ class TestPositionRuns(TestCase):
                     self.assertNotIn("l_data_0_", graph.split("attention_default")[1])
                     assert_matches_eager(fn, q, k, v, _packed_positions(batch))
 
+    def test_positions_of_their_own_length_are_tied_to_the_sequence_by_a_guard(self):
+        """Under dynamic shapes the positions, an input of their own, get a length apart from q's.
+        Their runs are document ids only while the two lengths agree, and a guard keeps them so:
+        longer positions, of which the mask reads a prefix, compile again and keep the mask."""
+        def prefix_mask(q, positions):
+            documents = (torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+            batch = torch.arange(q.shape[0])[:, None, None, None]
+            i, j = torch.arange(q.shape[2])[None, None, :, None], torch.arange(q.shape[2])[None, None, None, :]
+            return (documents[batch, i] == documents[batch, j]) & (positions[batch, j] <= positions[batch, i])
+
+        torch._dynamo.reset()
+        fn = attend(prefix_mask)
+        counter = CompileCounterWithBackend("attn_cp")
+        compiled = torch.compile(fn, backend=counter)  # dynamic from the second length on
+        inner_graphs, inner = [], backend._inner_compile
+        with mock.patch.object(backend, "_inner_compile",
+                               lambda gm, *args: inner_graphs.append(gm) or inner(gm, *args)):
+            for s, longer_by in ((20, 0), (29, 0), (37, 0), (37, 3)):
+                q, k, v, _ = _inputs(s)
+                positions = torch.cat([torch.arange(s // 2), torch.arange(s - s // 2 + longer_by)]).expand(2, -1)
+                assert rel_err(compiled(q, k, v, positions), fn(q, k, v, positions)) <= 1e-5
+        self.assertEqual(counter.frame_count, 3)
+        ops = [n for gm in inner_graphs for n in gm.graph.nodes if n.target is torch.ops.attn_cp.attention.default]
+        self.assertEqual([("document_ids" in op.kwargs, op.args[3] is None) for op in ops],
+                         [(True, True), (True, True), (False, False)])
+
     def test_positions_of_an_arange_are_one_document(self):
         def positions_of_arange(q, _):
             return hf_packed_mask(torch.arange(3, 3 + q.shape[2])[None].expand(q.shape[0], -1))
