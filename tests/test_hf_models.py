@@ -1,7 +1,9 @@
 """Tiny random-weight Hugging Face models (built from configs, never downloaded) compiled with
 backend="attn_cp": logits and gradients equal eager for batches with left and with right padding,
 every layer's attention is rewritten, and the graph handed to the inner compiler computes no
-S x S mask and no repeat_kv copy: k and v reach the op with their own head count."""
+S x S mask and no repeat_kv copy: k and v reach the op with their own head count. Beyond the
+models the design names, more architectures check the forward alone (their training takes the
+same code paths and would double this file's time)."""
 import dataclasses
 from typing import Callable
 
@@ -24,7 +26,8 @@ MOE_TRAINS_COMPILED = TorchVersion(torch.__version__) >= (2, 13)
 @dataclasses.dataclass
 class Case:
     build: Callable  # -> (model, kv heads)
-    op_kwargs: dict  # the keyword arguments every op call gets (key_padding_mask: True = a (B, S) bool tensor)
+    op_kwargs: dict | list  # the keyword arguments every op call gets (key_padding_mask: True = a (B, S) bool
+    # tensor), or a list of them, one per layer
     is_causal: bool
     inputs: str = "text"  # "text" (ids and attention mask) or "image"
     no_key_rows_match: bool = True  # rows that see no key (left padding, causal): 0 in both, or eager averages
@@ -41,6 +44,18 @@ def _decoder(model_type: str, attn="sdpa", **overrides):
                             num_attention_heads=4, max_position_embeddings=64, **overrides)
         config._attn_implementation = attn
         return model_cls(config), config.num_key_value_heads
+    return build
+
+
+def _auto(model_type: str, kv_heads: int, model_cls="AutoModelForCausalLM", attn="sdpa", **overrides):
+    """Builds ``model_type`` through transformers' Auto classes."""
+    def build():
+        config = transformers.AutoConfig.for_model(
+            model_type, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+            num_attention_heads=4, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            **overrides)
+        config._attn_implementation = attn
+        return getattr(transformers, model_cls).from_config(config), kv_heads
     return build
 
 
@@ -85,6 +100,27 @@ CASES = {
     "bert": Case(_bert, {"key_padding_mask": True}, is_causal=False),
     "vit": Case(_vit, {}, is_causal=False, inputs="image"),
 }
+_PADDED = {"key_padding_mask": True}
+_LOCAL_THEN_GLOBAL = ["sliding_attention", "full_attention"]
+CASES.update({  # forward only (see the module docstring)
+    "qwen3": Case(_auto("qwen3", 2, num_key_value_heads=2, head_dim=8), _PADDED, True, trains=False),
+    "gemma": Case(_auto("gemma", 1, num_key_value_heads=1, head_dim=8), _PADDED, True, trains=False),
+    "gemma3": Case(_auto("gemma3_text", 2, num_key_value_heads=2, head_dim=8, sliding_window=6,
+                         layer_types=_LOCAL_THEN_GLOBAL),
+                   [{"window_left": 5, **_PADDED}, _PADDED], True, trains=False),
+    "cohere2": Case(_auto("cohere2", 2, num_key_value_heads=2, sliding_window=6, layer_types=_LOCAL_THEN_GLOBAL),
+                    [{"window_left": 5, **_PADDED}, _PADDED], True, trains=False),
+    "phi3": Case(_auto("phi3", 2, num_key_value_heads=2), _PADDED, True, trains=False),
+    "starcoder2": Case(_auto("starcoder2", 2, num_key_value_heads=2, sliding_window=6),
+                       {"window_left": 5, **_PADDED}, True, trains=False),
+    "gpt_neox": Case(_auto("gpt_neox", 4), _PADDED, True, trains=False),
+    "falcon": Case(_auto("falcon", 1), _PADDED, True, trains=False),  # multi-query
+    "gpt_bigcode": Case(_auto("gpt_bigcode", 1), _PADDED, True, trains=False),  # multi-query
+    "opt": Case(_auto("opt", 4, ffn_dim=64, word_embed_proj_dim=32), _PADDED, True, trains=False),
+    "modernbert": Case(_auto("modernbert", 4, "AutoModel", local_attention=8, global_attn_every_n_layers=2,
+                             cls_token_id=1, sep_token_id=2),
+                       [_PADDED, {"window_left": 4, "window_right": 4, **_PADDED}], False, trains=False),
+})
 
 
 def _batches(case: Case):
@@ -143,12 +179,12 @@ def _live_nodes(gm):
     return live
 
 
-def _check_graph(gm, op_kwargs: dict, is_causal: bool, kv_heads: int, seq: int, batch: int = 2):
+def _check_graph(gm, op_kwargs: dict | list, is_causal: bool, kv_heads: int, seq: int, batch: int = 2):
     """op_kwargs: the op's keyword arguments, True standing for a (batch, seq) tensor: key padding
-    (bool) or document ids (integers)."""
+    (bool) or document ids (integers); or a list of them, one per layer."""
     ops = [n for m in _graphs(gm) for n in m.graph.nodes if n.target is ATTENTION]
     assert len(ops) == LAYERS
-    for op in ops:
+    for op, want in zip(ops, op_kwargs if isinstance(op_kwargs, list) else [op_kwargs] * LAYERS):
         q, k, v = (a.meta["example_value"] for a in op.args[:3])
         assert k.shape[1] == v.shape[1] == kv_heads
         assert op.args[3] is None and op.args[4] is is_causal
@@ -158,7 +194,7 @@ def _check_graph(gm, op_kwargs: dict, is_causal: bool, kv_heads: int, seq: int, 
                 t = kwargs[name].meta["example_value"]
                 is_bool = name == "key_padding_mask"
                 kwargs[name] = tuple(t.shape) == (batch, seq) and (t.dtype == torch.bool) == is_bool
-        assert kwargs == op_kwargs
+        assert kwargs == want
     for node in _live_nodes(gm):
         value = node.meta.get("example_value")
         if isinstance(value, torch.Tensor):
@@ -252,3 +288,19 @@ def test_gradient_checkpointing(inner_graphs):
     (gm,) = inner_graphs
     assert len(_graphs(gm)) == 1 + LAYERS
     _check_graph(gm, case.op_kwargs, case.is_causal, kv_heads, SEQ)
+
+
+def test_softcapped_scores_stay_as_written(inner_graphs):
+    """Gemma 2 caps its scores with tanh before the softmax, which the op cannot express: its
+    sites stay as the model wrote them, the logits equal eager, and explain says why."""
+    torch.manual_seed(0)
+    model, _ = _auto("gemma2", 2, attn="eager", num_key_value_heads=2, head_dim=8)()
+    batch = _batches(CASES["llama"])[0]
+    compiled = torch.compile(model.eval(), backend="attn_cp", options={"inner": "aot_eager"}, fullgraph=True)
+    with torch.no_grad():
+        assert rel_err(_output(compiled(**batch)), _output(model(**batch))) <= TOLERANCE
+    (gm,) = inner_graphs
+    assert not [n for n in gm.graph.nodes if n.target is ATTENTION]
+    report = attn_compile.explain(model, **batch)
+    assert len(report.sites) == LAYERS and not report.rewritten
+    assert all("tanh" in site.reason and "softcapping" in site.reason for site in report.sites)
