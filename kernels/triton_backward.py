@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .triton_tiles import (LOG2E, autotune, document_args, document_rows, document_tiles, dot_precision, head_blocks,
-                           head_start, key_padding_args, key_walk, launch, load_rows, padding_bounds, position_mask,
+                           head_start, key_padding_args, key_tiles, launch, load_rows, padding_bounds, position_mask,
                            query_block, real_keys, rows_of, sequence, short_walk, store_tile, tile_ranges)
 
 
@@ -90,11 +90,12 @@ def _dq_kernel(Q, K, V, DO, O, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k, KeyPa
     lse = _log2_lse(head_start(Lse, batch, head, row, stride_lb, stride_lh, stride_ls) + offs_m * stride_ls, rows_ok)
 
     ids, spans, runs, row_docs = document_rows(Ids, stride_idb, Spans, Runs, batch, rows, seqlen_q, HAS_DOCUMENTS)
-    k_rows, v_rows, lo, full_lo, plain_hi, full_hi, hi = key_walk(K, V, batch, head // group, k_start, seqlen_k,
-                                                                  real_prefix, first, last, before, after, stride_kb,
-                                                                  stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-                                                                  spans, runs, D_QK, D_V, BLOCK_M, BLOCK_N, BLOCK_DQK,
-                                                                  BLOCK_DV, HAS_DOCUMENTS)
+    k_rows = rows_of(K, batch, head // group, k_start, seqlen_k, stride_kb, stride_kh, stride_ks, D_QK, BLOCK_N,
+                     BLOCK_DQK)
+    v_rows = rows_of(V, batch, head // group, k_start, seqlen_k, stride_vb, stride_vh, stride_vs, D_V, BLOCK_N,
+                     BLOCK_DV)
+    lo, full_lo, plain_hi, full_hi, hi = key_tiles(seqlen_k, real_prefix, first, last, before, after, spans, runs,
+                                                   BLOCK_M, BLOCK_N, HAS_DOCUMENTS)
     key_padding = KeyPadding
     if HAS_KEY_PADDING:
         key_padding += batch * stride_kpb

@@ -2,8 +2,9 @@
 online softmax over the key tiles the mask leaves, output and LSE written once.
 
 Tensors come as (B, H, S, D) views with a unit last stride; K and V, which the key loop reads
-through tensor descriptors (``rows_of``), with 16-byte aligned other strides and start. For
-packed varlen inputs B counts documents, the batch stride is 0, and ``cu_seqlens`` gives each document's rows.
+through tensor descriptors (``triton_tiles.walk_rows``), with 16-byte aligned other strides and
+start. For packed varlen inputs B counts documents, the batch stride is 0, and ``cu_seqlens``
+gives each document's rows.
 A dense call may add a (B, S_k) uint8 key padding mask, nonzero for a real key, with each
 sequence's ``padding_bounds``: key tiles after the last real key are skipped, and tiles before the
 first padded key run without loading the mask. It may also add (B, S) document ids
@@ -13,22 +14,23 @@ import triton
 import triton.language as tl
 
 from .triton_tiles import (LN2, LOG2E, autotune, document_args, document_rows, dot_precision, head_blocks,
-                           head_start, key_padding_args, key_walk, launch, load_rows, position_mask, query_block,
-                           real_keys, short_walk, store_tile)
+                           head_start, key_padding_args, key_tiles, launch, load_rows, position_mask, query_block,
+                           real_keys, short_walk, store_tile, walk_rows, walk_tile, walked)
 
 
 @triton.jit
 def _attend(acc, row_sum, row_max, q, k_rows, v_rows, key_padding, row_docs, ids, rows, cols, lo, full_lo, plain_hi,
-            full_hi, hi, seqlen_k, before, after, qk_scale, BLOCK_N: tl.constexpr, HAS_KEY_PADDING: tl.constexpr,
-            HAS_DOCUMENTS: tl.constexpr, PRECISION: tl.constexpr):
-    """Online softmax of the query block over ``key_walk``'s key tiles [lo, hi), in base 2, as one
+            full_hi, hi, seqlen_k, before, after, qk_scale, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
+            BLOCK_DV: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DOCUMENTS: tl.constexpr,
+            PRECISION: tl.constexpr, VARLEN: tl.constexpr):
+    """Online softmax of the query block over ``key_tiles``' key tiles [lo, hi), in base 2, as one
     loop in which only the tiles that need a mask compute it: the software pipeline fills once.
     A loop per kind of tile ran 7% slower on a 1024 window, which walks few tiles, and 9-12% on
     packed documents (BENCHMARKS.md)."""
     for tile in range(lo, hi):
         start = tile * BLOCK_N
         keys = start + cols
-        k = k_rows.load([start, 0])
+        k = walk_tile(k_rows, start, BLOCK_N, BLOCK_DQK, VARLEN)
         # scaled inside exp2, where it fuses with the shift (qk_scale > 0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         edge = (tile < full_lo) | (tile >= full_hi)
@@ -43,7 +45,7 @@ def _attend(acc, row_sum, row_max, q, k_rows, v_rows, key_padding, row_docs, ids
         p = tl.math.exp2(s * qk_scale - shift[:, None])
         alpha = tl.math.exp2(row_max - shift)
         row_sum = row_sum * alpha + tl.sum(p, 1)
-        v = v_rows.load([start, 0])
+        v = walk_tile(v_rows, start, BLOCK_N, BLOCK_DV, VARLEN)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         row_max = new_max
     return acc, row_sum, row_max
@@ -52,7 +54,7 @@ def _attend(acc, row_sum, row_max, q, k_rows, v_rows, key_padding, row_docs, ids
 @autotune(
     small=[(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)],
     large=[(128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3)],
-    key=["BLOCK_DQK", "BLOCK_DV"],
+    key=["BLOCK_DQK", "BLOCK_DV"], walked=("K", "V"), walk_block="BLOCK_N",
 )
 @triton.jit
 def _forward_kernel(Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, KeyPadding, stride_kpb, KeyBounds, Ids, stride_idb,
@@ -78,11 +80,12 @@ def _forward_kernel(Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, KeyPadding, s
 
     q = load_rows(Q, batch, head, q_start, first, seqlen_q, stride_qb, stride_qh, stride_qs, D_QK, BLOCK_M, BLOCK_DQK)
     ids, spans, runs, row_docs = document_rows(Ids, stride_idb, Spans, Runs, batch, rows, seqlen_q, HAS_DOCUMENTS)
-    k_rows, v_rows, lo, full_lo, plain_hi, full_hi, hi = key_walk(K, V, batch, head // group, k_start, seqlen_k,
-                                                                  real_prefix, first, last, before, after, stride_kb,
-                                                                  stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-                                                                  spans, runs, D_QK, D_V, BLOCK_M, BLOCK_N,
-                                                                  BLOCK_DQK, BLOCK_DV, HAS_DOCUMENTS)
+    k_rows = walk_rows(K, batch, head // group, k_start, seqlen_k, stride_kb, stride_kh, stride_ks, D_QK, BLOCK_N,
+                       BLOCK_DQK, VARLEN)
+    v_rows = walk_rows(V, batch, head // group, k_start, seqlen_k, stride_vb, stride_vh, stride_vs, D_V, BLOCK_N,
+                       BLOCK_DV, VARLEN)
+    lo, full_lo, plain_hi, full_hi, hi = key_tiles(seqlen_k, real_prefix, first, last, before, after, spans, runs,
+                                                   BLOCK_M, BLOCK_N, HAS_DOCUMENTS)
     key_padding = KeyPadding
     if HAS_KEY_PADDING:
         key_padding += batch * stride_kpb
@@ -92,7 +95,7 @@ def _forward_kernel(Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, KeyPadding, s
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     acc, row_sum, row_max = _attend(acc, row_sum, row_max, q, k_rows, v_rows, key_padding, row_docs, ids, rows, cols,
                                     lo, full_lo, plain_hi, full_hi, hi, seqlen_k, before, after, qk_scale, BLOCK_N,
-                                    HAS_KEY_PADDING, HAS_DOCUMENTS, PRECISION)
+                                    BLOCK_DQK, BLOCK_DV, HAS_KEY_PADDING, HAS_DOCUMENTS, PRECISION, VARLEN)
     seen = row_sum > 0
     row_sum = tl.where(seen, row_sum, 1.0)
     lse = tl.where(seen, (row_max + tl.math.log2(row_sum)) * LN2, float("-inf"))
@@ -110,17 +113,18 @@ def forward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     or (B, S) ids of a dense call with S_q == S_k."""
     batch, h_q = q.shape[:2]
     d_qk, d_v = q.shape[-1], v.shape[-1]
+    varlen = cu_seqlens_q is not None
 
     def grid(meta):
         return triton.cdiv(max_seqlen_q, meta["BLOCK_M"]), h_q, batch
 
     launch(
         _forward_kernel, grid, q.device,
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *key_padding_args(key_padding_mask),
-        *document_args(document_ids), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        *lse.stride(),
+        q, walked(k, varlen), walked(v, varlen), out, lse, cu_seqlens_q, cu_seqlens_k,
+        *key_padding_args(key_padding_mask), *document_args(document_ids),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *lse.stride(),
         max_seqlen_q, max_seqlen_k, h_q // k.shape[1], before, after, scale * LOG2E.value,
-        D_QK=d_qk, D_V=d_v, BLOCK_DQK=head_blocks(d_qk), BLOCK_DV=head_blocks(d_v), VARLEN=cu_seqlens_q is not None,
+        D_QK=d_qk, D_V=d_v, BLOCK_DQK=head_blocks(d_qk), BLOCK_DV=head_blocks(d_v), VARLEN=varlen,
         HAS_KEY_PADDING=key_padding_mask is not None, HAS_DOCUMENTS=document_ids is not None,
         PRECISION=dot_precision(q.dtype), SHORT_WALK=short_walk(before, after),
     )

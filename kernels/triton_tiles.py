@@ -6,6 +6,10 @@ Masks are given as reaches: row r sees column c when ``r - before <= c <= r + af
 these two numbers; an unbounded side is ``UNBOUNDED``, farther than any two positions can be.
 Packed documents in a dense batch (``document_args``) AND a same-document test into the masked
 tiles and narrow the tiles a block visits to its rows' documents.
+
+The tile loops read through tensor descriptors (TMA on Hopper, ``walk_rows``): for a dense
+(B, H, S, D) tensor one made on the host (``walked``), for packed varlen documents one that each
+program makes over its document's rows.
 """
 import contextvars
 import os
@@ -13,6 +17,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 UNBOUNDED = 1 << 29
 MAX_SPAN = 1 << 28  # lengths and |q_offset - k_offset| stay below this, so no int32 bound overflows
@@ -21,7 +26,7 @@ LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
 
-def autotune(small, large, key):
+def autotune(small, large, key, walked=(), walk_block=None):
     """``triton.autotune`` over ``small`` while the two head tiles are at most 256 wide together
     (d 128/128) and ``large`` beyond, each a list of (BLOCK_M, BLOCK_N, num_warps, num_stages)
     picked from H100 sweeps (wider tiles with 4 warps spill there); float32 tiles take twice the
@@ -29,15 +34,26 @@ def autotune(small, large, key):
     (``dot_precision``) run on the CUDA cores and compile slowly: they get the first float32
     configuration alone instead of a tuning run over all of them. One small configuration
     when interpreting, so the CPU tests cross several tiles. The kernel's first argument must be
-    Q, and it takes the PRECISION and SHORT_WALK constexprs, which join the key."""
+    Q, and it takes the PRECISION and SHORT_WALK constexprs, which join the key. ``walked``: the
+    arguments its tile loop reads through ``walked`` descriptors, in tiles of ``walk_block`` rows;
+    each configuration sets their block shapes before it runs."""
     key = [*key, "PRECISION", "SHORT_WALK"]
+
+    def set_block_shapes(nargs):
+        for name in walked:
+            if isinstance(nargs[name], TensorDescriptor):
+                nargs[name].block_shape = [1, 1, nargs[walk_block], nargs[name].block_shape[-1]]
+
+    block_shapes = set_block_shapes if walked else None
+
     if INTERPRET:
-        return triton.autotune([triton.Config({"BLOCK_M": 16, "BLOCK_N": 16})], key=key)
+        return triton.autotune([triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, pre_hook=block_shapes)], key=key)
 
     def configs(sizes, float32=False):
         if float32:
             sizes = [(max(16, m // 2), max(16, n // 2), w, min(s, 2)) for m, n, w, s in sizes]
-        return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in sizes]
+        return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s, pre_hook=block_shapes)
+                for m, n, w, s in sizes]
 
     by_kind = {(wide, float32): configs(large if wide else small, float32)
                for wide in (False, True) for float32 in (False, True)}
@@ -59,7 +75,8 @@ def launch(kernel, grid, device, *args, **kwargs):
     tensor descriptors need, from an allocator set in a copy of the current context: a Triton
     allocator the caller set stays in place. Triton's autotuner rebuilds its key on every call
     by scanning the argument names once per argument (tens of µs of host time for these
-    kernels); here a key's first call tunes and later calls launch its pick directly."""
+    kernels); here a key's first call tunes and later calls launch its pick directly, after its
+    pre-hook, if any (``autotune``'s block shapes)."""
     key = (kernel, *(kwargs[name] for name in kernel.keys), *(str(arg.dtype) for arg in args if hasattr(arg, "dtype")))
 
     def scratch(size, alignment, stream):
@@ -72,6 +89,8 @@ def launch(kernel, grid, device, *args, **kwargs):
             kernel[grid](*args, **kwargs)
             _PICKS[key] = kernel.best_config
         else:
+            if pick.pre_hook is not None:
+                pick.pre_hook({**dict(zip(kernel.fn.arg_names, args)), **kwargs, **pick.all_kwargs()})
             kernel.fn[grid](*args, **kwargs, **pick.all_kwargs())
 
     contextvars.copy_context().run(run)
@@ -144,6 +163,43 @@ def rows_of(ptr, batch, head, row, n_rows, stride_b, stride_h, stride_s, D: tl.c
 
 
 @triton.jit
+def walk_rows(ptr, batch, head, row, n_rows, stride_b, stride_h, stride_s, D: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+              BLOCK_D: tl.constexpr, VARLEN: tl.constexpr):
+    """What a tile loop reads one head's rows [row, row + n_rows) through, with ``walk_tile``:
+    ``ptr`` itself for a dense tensor, which came as a ``walked`` descriptor over all of it; for
+    packed documents, whose batch stride is 0, a descriptor this program makes over its rows."""
+    if VARLEN:
+        return rows_of(ptr, batch, head, row, n_rows, stride_b, stride_h, stride_s, D, BLOCK_ROWS, BLOCK_D), 0, 0
+    else:
+        return ptr, batch, head
+
+
+@triton.jit
+def walk_tile(rows, start, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr):
+    """The (BLOCK_ROWS, BLOCK_D) tile from row ``start`` of ``walk_rows``' rows, zero past the
+    last row and past the head dim."""
+    desc, batch, head = rows
+    if VARLEN:
+        return desc.load([start, 0])
+    else:
+        return desc.load([batch, head, start, 0]).reshape([BLOCK_ROWS, BLOCK_D])
+
+
+def walked(x, varlen):
+    """The forward's argument for K or V, which its key loop reads (``walk_rows``): for a dense
+    (B, H, S, D) tensor with 16-byte aligned strides and start, one descriptor made here, so that
+    no program makes its own (the forward ran 1.5-2.5% faster on causal attention, 5% on a 1024
+    window; BENCHMARKS.md); ``autotune`` sets its block shape. Packed documents pass the tensor.
+    The backward's loops make their own: host descriptors for Q and dO cost its dK/dV kernel up to
+    9% (GQA+MLA, document ids), and for K and V gained its dQ kernel nothing measurable."""
+    if varlen:
+        return x
+    if x.numel() == 0:  # a descriptor's dims must be positive; no tile of an empty tensor is read
+        x = x.new_zeros(1, 1, 1, head_blocks(x.shape[-1]))[..., :x.shape[-1]]
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, 16, head_blocks(x.shape[-1])])
+
+
+@triton.jit
 def store_tile(ptrs, value, rows_ok, cols, D: tl.constexpr, BLOCK_D: tl.constexpr):
     if D == BLOCK_D:
         tl.store(ptrs, value, mask=rows_ok[:, None])
@@ -190,22 +246,17 @@ def query_block(cu_seqlens_q, cu_seqlens_k, key_bounds, batch, seqlen_q, seqlen_
 
 
 @triton.jit
-def key_walk(K, V, batch, kv_head, k_start, seqlen_k, real_prefix, first, last, before, after, stride_kb, stride_kh,
-             stride_ks, stride_vb, stride_vh, stride_vs, spans, runs, D_QK: tl.constexpr, D_V: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-             HAS_DOCUMENTS: tl.constexpr):
-    """What query rows [first, last] walk over: descriptors of their KV head's keys and values,
-    and key tiles cut at ``lo <= full_lo <= plain_hi <= full_hi <= hi``: [lo, full_lo) and
-    [full_hi, hi) take the position (and document) mask, [full_lo, plain_hi) no mask (no padding
-    key either), [plain_hi, full_hi) the key padding mask only."""
-    k_rows = rows_of(K, batch, kv_head, k_start, seqlen_k, stride_kb, stride_kh, stride_ks, D_QK, BLOCK_N, BLOCK_DQK)
-    v_rows = rows_of(V, batch, kv_head, k_start, seqlen_k, stride_vb, stride_vh, stride_vs, D_V, BLOCK_N, BLOCK_DV)
+def key_tiles(seqlen_k, real_prefix, first, last, before, after, spans, runs, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, HAS_DOCUMENTS: tl.constexpr):
+    """The key tiles query rows [first, last] walk, cut at ``lo <= full_lo <= plain_hi <= full_hi
+    <= hi``: [lo, full_lo) and [full_hi, hi) take the position (and document) mask, [full_lo,
+    plain_hi) no mask (no padding key either), [plain_hi, full_hi) the key padding mask only."""
     lo, full_lo, full_hi, hi = tile_ranges(first, last, seqlen_k, before, after, BLOCK_N)
     if HAS_DOCUMENTS:
         lo, full_lo, full_hi, hi = document_tiles(spans, runs, first, last, lo, full_lo, full_hi, hi, BLOCK_M,
                                                   BLOCK_N)
     plain_hi = tl.minimum(tl.maximum(real_prefix // BLOCK_N, full_lo), full_hi)
-    return k_rows, v_rows, lo, full_lo, plain_hi, full_hi, hi
+    return lo, full_lo, plain_hi, full_hi, hi
 
 
 @triton.jit
