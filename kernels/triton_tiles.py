@@ -166,8 +166,9 @@ def rows_of(ptr, batch, head, row, n_rows, stride_b, stride_h, stride_s, D: tl.c
 def walk_rows(ptr, batch, head, row, n_rows, stride_b, stride_h, stride_s, D: tl.constexpr, BLOCK_ROWS: tl.constexpr,
               BLOCK_D: tl.constexpr, VARLEN: tl.constexpr):
     """What a tile loop reads one head's rows [row, row + n_rows) through, with ``walk_tile``:
-    ``ptr`` itself for a dense tensor, which came as a ``walked`` descriptor over all of it; for
-    packed documents, whose batch stride is 0, a descriptor this program makes over its rows."""
+    ``ptr`` itself for a dense tensor, which came as a ``walked`` descriptor over all of it (its
+    tiles then end at the tensor's last row, not at ``n_rows``: the masks hide the keys between);
+    for packed documents, whose batch stride is 0, a descriptor this program makes over its rows."""
     if VARLEN:
         return rows_of(ptr, batch, head, row, n_rows, stride_b, stride_h, stride_s, D, BLOCK_ROWS, BLOCK_D), 0, 0
     else:
@@ -176,8 +177,8 @@ def walk_rows(ptr, batch, head, row, n_rows, stride_b, stride_h, stride_s, D: tl
 
 @triton.jit
 def walk_tile(rows, start, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr):
-    """The (BLOCK_ROWS, BLOCK_D) tile from row ``start`` of ``walk_rows``' rows, zero past the
-    last row and past the head dim."""
+    """The (BLOCK_ROWS, BLOCK_D) tile from row ``start`` of ``walk_rows``' rows, zero past their
+    end and past the head dim."""
     desc, batch, head = rows
     if VARLEN:
         return desc.load([start, 0])
@@ -189,7 +190,8 @@ def walked(x, varlen):
     """The forward's argument for K or V, which its key loop reads (``walk_rows``): for a dense
     (B, H, S, D) tensor with 16-byte aligned strides and start, one descriptor made here, so that
     no program makes its own (the forward ran 1.5-2.5% faster on causal attention, 5% on a 1024
-    window; BENCHMARKS.md); ``autotune`` sets its block shape. Packed documents pass the tensor.
+    window, for about 80 µs more host time per call; BENCHMARKS.md); ``autotune`` sets its block
+    shape. Packed documents pass the tensor.
     The backward's loops make their own: host descriptors for Q and dO cost its dK/dV kernel up to
     9% (GQA+MLA, document ids), and for K and V gained its dQ kernel nothing measurable."""
     if varlen:
