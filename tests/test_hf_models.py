@@ -36,19 +36,9 @@ class Case:
     trains: bool = True  # compiled training is compared too
 
 
-def _decoder(model_type: str, attn="sdpa", **overrides):
-    """Builds <model_type>ForCausalLM; transformers' model modules are imported only when a test runs."""
-    def build():
-        config_cls, model_cls = (getattr(transformers, f"{model_type}{kind}") for kind in ("Config", "ForCausalLM"))
-        config = config_cls(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
-                            num_attention_heads=4, max_position_embeddings=64, **overrides)
-        config._attn_implementation = attn
-        return model_cls(config), config.num_key_value_heads
-    return build
-
-
 def _auto(model_type: str, kv_heads: int, model_cls="AutoModelForCausalLM", attn="sdpa", **overrides):
-    """Builds ``model_type`` through transformers' Auto classes."""
+    """Builds ``model_type`` through transformers' Auto classes (its modules are imported only
+    when a test runs); ``kv_heads``: the KV heads its attention has."""
     def build():
         config = transformers.AutoConfig.for_model(
             model_type, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
@@ -82,19 +72,19 @@ def _vit():
 
 
 CASES = {
-    "llama": Case(_decoder("Llama", num_key_value_heads=2),
+    "llama": Case(_auto("llama", 2, num_key_value_heads=2),
                   {"key_padding_mask": True}, is_causal=True, inner="inductor"),
-    "llama_eager": Case(_decoder("Llama", attn="eager", num_key_value_heads=2),
+    "llama_eager": Case(_auto("llama", 2, attn="eager", num_key_value_heads=2),
                         {"key_padding_mask": True}, is_causal=True, no_key_rows_match=False),
-    "qwen2": Case(_decoder("Qwen2", num_key_value_heads=2, use_sliding_window=True, sliding_window=6,
-                           max_window_layers=0),
+    "qwen2": Case(_auto("qwen2", 2, num_key_value_heads=2, use_sliding_window=True, sliding_window=6,
+                        max_window_layers=0),
                   {"window_left": 5, "key_padding_mask": True}, is_causal=True),
-    "mistral": Case(_decoder("Mistral", num_key_value_heads=1, sliding_window=8),
+    "mistral": Case(_auto("mistral", 1, num_key_value_heads=1, sliding_window=8),
                     {"window_left": 7, "key_padding_mask": True}, is_causal=True),
-    "deepseek_v3": Case(_decoder("DeepseekV3", num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16,
-                                 qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=6,  # MLA: d_qk 12, d_v 6
-                                 moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
-                                 topk_group=1, first_k_dense_replace=1),
+    "deepseek_v3": Case(_auto("deepseek_v3", 4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16,
+                              qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=6,  # MLA: d_qk 12, d_v 6
+                              moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                              topk_group=1, first_k_dense_replace=1),
                         {"key_padding_mask": True}, is_causal=True, trains=MOE_TRAINS_COMPILED),
     "gpt2": Case(_gpt2, {"key_padding_mask": True}, is_causal=True, no_key_rows_match=False),
     "bert": Case(_bert, {"key_padding_mask": True}, is_causal=False),
