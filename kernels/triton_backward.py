@@ -8,8 +8,9 @@ given LSE (which may merge several calls, so each call gets exactly its share):
   When a few KV heads would leave the GPU idle, the group is split over several programs
   whose float32 partial sums are added afterwards.
 
-Layouts, the key padding mask and the document ids are those of triton_forward.py. Masked pairs and rows with
-LSE -inf get P = 0.
+Layouts, the key padding mask and the document ids are those of triton_forward.py; the tiles a
+loop walks come through tensor descriptors, its own or the host's (``own_walks``). Masked pairs
+and rows with LSE -inf get P = 0.
 """
 import torch
 import triton
@@ -17,7 +18,8 @@ import triton.language as tl
 
 from .triton_tiles import (LOG2E, autotune, document_args, document_rows, document_tiles, dot_precision, head_blocks,
                            head_start, key_padding_args, key_tiles, launch, load_rows, padding_bounds, position_mask,
-                           query_block, real_keys, rows_of, sequence, short_walk, store_tile, tile_ranges)
+                           query_block, real_keys, sequence, short_walk, store_tile, tile_ranges, walk_rows, walk_tile,
+                           walked)
 
 
 @triton.jit
@@ -29,16 +31,17 @@ def _log2_lse(lse_ptrs, ok):
 
 @triton.jit
 def _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, row_docs, ids, rows, cols, tile_lo, tile_hi,
-              seqlen_k, before, after, qk_scale, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-              HAS_KEY_PADDING: tl.constexpr, HAS_DOCUMENTS: tl.constexpr, PRECISION: tl.constexpr):
+              seqlen_k, before, after, qk_scale, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
+              BLOCK_DV: tl.constexpr, MASKED: tl.constexpr, HAS_KEY_PADDING: tl.constexpr,
+              HAS_DOCUMENTS: tl.constexpr, PRECISION: tl.constexpr, OWN_WALK: tl.constexpr):
     """dQ over key tiles [tile_lo, tile_hi). The backward keeps a loop per kind of tile, unlike the
     forward's ``_attend``: one loop gained on windows, documents and MLA but lost 2-5% on key
     padding and ring steps (BENCHMARKS.md)."""
     for tile in range(tile_lo, tile_hi):
         start = tile * BLOCK_N
         keys = start + cols
-        k = k_rows.load([start, 0])
-        v = v_rows.load([start, 0])
+        k = walk_tile(k_rows, start, BLOCK_N, BLOCK_DQK, OWN_WALK)
+        v = walk_tile(v_rows, start, BLOCK_N, BLOCK_DV, OWN_WALK)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if MASKED:
             s = position_mask(s, rows, keys, seqlen_k, before, after, row_docs, ids, HAS_DOCUMENTS)
@@ -53,7 +56,7 @@ def _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, row_docs, ids,
 @autotune(
     small=[(64, 32, 4, 4), (64, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
     large=[(64, 32, 4, 3), (64, 32, 4, 4), (128, 64, 8, 2)],
-    key=["BLOCK_DQK", "BLOCK_DV"],
+    key=["BLOCK_DQK", "BLOCK_DV"], walked=("K", "V"), walk_block="BLOCK_N",
 )
 @triton.jit
 def _dq_kernel(Q, K, V, DO, O, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k, KeyPadding, stride_kpb, KeyBounds, Ids,
@@ -65,7 +68,8 @@ def _dq_kernel(Q, K, V, DO, O, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k, KeyPa
                seqlen_q, seqlen_k, group, before, after, qk_scale, scale,
                D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                VARLEN: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DOCUMENTS: tl.constexpr,
-               PRECISION: tl.constexpr, SHORT_WALK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+               PRECISION: tl.constexpr, SHORT_WALK: tl.constexpr, OWN_WALK: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):
     batch, head = tl.program_id(2), tl.program_id(1)
     q_start, seqlen_q, k_start, seqlen_k, real_prefix, first = query_block(cu_seqlens_q, cu_seqlens_k, KeyBounds, batch,
                                                                            seqlen_q, seqlen_k, BLOCK_M, VARLEN,
@@ -90,10 +94,10 @@ def _dq_kernel(Q, K, V, DO, O, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k, KeyPa
     lse = _log2_lse(head_start(Lse, batch, head, row, stride_lb, stride_lh, stride_ls) + offs_m * stride_ls, rows_ok)
 
     ids, spans, runs, row_docs = document_rows(Ids, stride_idb, Spans, Runs, batch, rows, seqlen_q, HAS_DOCUMENTS)
-    k_rows = rows_of(K, batch, head // group, k_start, seqlen_k, stride_kb, stride_kh, stride_ks, D_QK, BLOCK_N,
-                     BLOCK_DQK)
-    v_rows = rows_of(V, batch, head // group, k_start, seqlen_k, stride_vb, stride_vh, stride_vs, D_V, BLOCK_N,
-                     BLOCK_DV)
+    k_rows = walk_rows(K, batch, head // group, k_start, seqlen_k, stride_kb, stride_kh, stride_ks, D_QK, BLOCK_N,
+                       BLOCK_DQK, OWN_WALK)
+    v_rows = walk_rows(V, batch, head // group, k_start, seqlen_k, stride_vb, stride_vh, stride_vs, D_V, BLOCK_N,
+                       BLOCK_DV, OWN_WALK)
     lo, full_lo, plain_hi, full_hi, hi = key_tiles(seqlen_k, real_prefix, first, last, before, after, spans, runs,
                                                    BLOCK_M, BLOCK_N, HAS_DOCUMENTS)
     key_padding = KeyPadding
@@ -101,14 +105,18 @@ def _dq_kernel(Q, K, V, DO, O, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k, KeyPa
         key_padding += batch * stride_kpb
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
     dq = _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, row_docs, ids, rows, cols, lo, full_lo,
-                   seqlen_k, before, after, qk_scale, BLOCK_N, True, HAS_KEY_PADDING, HAS_DOCUMENTS, PRECISION)
+                   seqlen_k, before, after, qk_scale, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, HAS_KEY_PADDING,
+                   HAS_DOCUMENTS, PRECISION, OWN_WALK)
     dq = _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, row_docs, ids, rows, cols, full_lo,
-                   plain_hi, seqlen_k, before, after, qk_scale, BLOCK_N, False, False, False, PRECISION)
+                   plain_hi, seqlen_k, before, after, qk_scale, BLOCK_N, BLOCK_DQK, BLOCK_DV, False, False, False,
+                   PRECISION, OWN_WALK)
     if HAS_KEY_PADDING:
         dq = _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, row_docs, ids, rows, cols, plain_hi,
-                       full_hi, seqlen_k, before, after, qk_scale, BLOCK_N, False, True, False, PRECISION)
+                       full_hi, seqlen_k, before, after, qk_scale, BLOCK_N, BLOCK_DQK, BLOCK_DV, False, True, False,
+                       PRECISION, OWN_WALK)
     dq = _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, row_docs, ids, rows, cols, full_hi, hi,
-                   seqlen_k, before, after, qk_scale, BLOCK_N, True, HAS_KEY_PADDING, HAS_DOCUMENTS, PRECISION)
+                   seqlen_k, before, after, qk_scale, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, HAS_KEY_PADDING,
+                   HAS_DOCUMENTS, PRECISION, OWN_WALK)
 
     dq_ptrs = head_start(DQ, batch, head, row, stride_dqb, stride_dqh, stride_dqs)
     dq_ptrs += offs_m[:, None] * stride_dqs + d_qk[None, :]
@@ -118,8 +126,8 @@ def _dq_kernel(Q, K, V, DO, O, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k, KeyPa
 @triton.jit
 def _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, key_docs, ids, keys, rows, tile_lo,
                 tile_hi, seqlen_q, before, after, qk_scale, stride_ls, stride_ds, BLOCK_M: tl.constexpr,
-                MASKED: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DOCUMENTS: tl.constexpr,
-                PRECISION: tl.constexpr):
+                BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr, HAS_KEY_PADDING: tl.constexpr,
+                HAS_DOCUMENTS: tl.constexpr, PRECISION: tl.constexpr, OWN_WALK: tl.constexpr):
     """Accumulates into dK, dV over query tiles [tile_lo, tile_hi); scores are kept transposed
     (keys x queries), so ``before`` and ``after`` arrive swapped. ``real``: which keys are real."""
     for tile in range(tile_lo, tile_hi):
@@ -127,8 +135,8 @@ def _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, key_d
         queries = start + rows
         ok = queries < seqlen_q
         offset = tl.cast(start, tl.int64)
-        q = q_rows.load([start, 0])
-        do = do_rows.load([start, 0])
+        q = walk_tile(q_rows, start, BLOCK_M, BLOCK_DQK, OWN_WALK)
+        do = walk_tile(do_rows, start, BLOCK_M, BLOCK_DV, OWN_WALK)
         lse = _log2_lse(lse_ptrs + offset * stride_ls, ok)
         delta = tl.load(delta_ptrs + offset * stride_ds, mask=ok, other=0.0)
         s = tl.dot(k, tl.trans(q), input_precision=PRECISION)
@@ -146,7 +154,7 @@ def _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, key_d
 @autotune(
     small=[(32, 64, 4, 4), (32, 64, 4, 3), (64, 128, 8, 2), (32, 128, 8, 3)],
     large=[(32, 128, 8, 2), (32, 128, 8, 3), (16, 64, 4, 3), (64, 128, 8, 2)],
-    key=["BLOCK_DQK", "BLOCK_DV"],
+    key=["BLOCK_DQK", "BLOCK_DV"], walked=("Q", "DO"), walk_block="BLOCK_M",
 )
 @triton.jit
 def _dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, cu_seqlens_q, cu_seqlens_k, KeyPadding, stride_kpb, KeyBounds,
@@ -158,7 +166,8 @@ def _dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, cu_seqlens_q, cu_seqlens_k, Ke
                  seqlen_q, seqlen_k, group, parts, before, after, qk_scale, scale,
                  D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                  VARLEN: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DOCUMENTS: tl.constexpr,
-                 PRECISION: tl.constexpr, SHORT_WALK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 PRECISION: tl.constexpr, SHORT_WALK: tl.constexpr, OWN_WALK: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
     batch, kv_head, part = tl.program_id(2), tl.program_id(1) // parts, tl.program_id(1) % parts
     q_start, seqlen_q = sequence(cu_seqlens_q, batch, seqlen_q, VARLEN)
     k_start, seqlen_k = sequence(cu_seqlens_k, batch, seqlen_k, VARLEN)
@@ -194,20 +203,21 @@ def _dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, cu_seqlens_q, cu_seqlens_k, Ke
     heads = tl.cdiv(group, parts)
     head_lo = kv_head * group + part * heads
     for head in range(head_lo, tl.minimum(head_lo + heads, (kv_head + 1) * group)):
-        q_rows = rows_of(Q, batch, head, q_start, seqlen_q, stride_qb, stride_qh, stride_qs, D_QK, BLOCK_M, BLOCK_DQK)
-        do_rows = rows_of(DO, batch, head, q_start, seqlen_q, stride_dob, stride_doh, stride_dos, D_V, BLOCK_M,
-                          BLOCK_DV)
+        q_rows = walk_rows(Q, batch, head, q_start, seqlen_q, stride_qb, stride_qh, stride_qs, D_QK, BLOCK_M,
+                           BLOCK_DQK, OWN_WALK)
+        do_rows = walk_rows(DO, batch, head, q_start, seqlen_q, stride_dob, stride_doh, stride_dos, D_V, BLOCK_M,
+                            BLOCK_DV, OWN_WALK)
         lse_ptrs = head_start(Lse, batch, head, q_start, stride_lb, stride_lh, stride_ls) + rows * stride_ls
         delta_ptrs = head_start(Delta, batch, head, q_start, stride_db, stride_dh, stride_ds) + rows * stride_ds
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, key_docs, ids, keys, rows,
-                             lo, full_lo, seqlen_q, after, before, qk_scale, stride_ls, stride_ds, BLOCK_M, True,
-                             HAS_KEY_PADDING, HAS_DOCUMENTS, PRECISION)
+                             lo, full_lo, seqlen_q, after, before, qk_scale, stride_ls, stride_ds, BLOCK_M, BLOCK_DQK,
+                             BLOCK_DV, True, HAS_KEY_PADDING, HAS_DOCUMENTS, PRECISION, OWN_WALK)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, key_docs, ids, keys, rows,
-                             full_lo, full_hi, seqlen_q, after, before, qk_scale, stride_ls, stride_ds, BLOCK_M, False,
-                             HAS_KEY_PADDING, False, PRECISION)
+                             full_lo, full_hi, seqlen_q, after, before, qk_scale, stride_ls, stride_ds, BLOCK_M,
+                             BLOCK_DQK, BLOCK_DV, False, HAS_KEY_PADDING, False, PRECISION, OWN_WALK)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, key_docs, ids, keys, rows,
-                             full_hi, hi, seqlen_q, after, before, qk_scale, stride_ls, stride_ds, BLOCK_M, True,
-                             HAS_KEY_PADDING, HAS_DOCUMENTS, PRECISION)
+                             full_hi, hi, seqlen_q, after, before, qk_scale, stride_ls, stride_ds, BLOCK_M, BLOCK_DQK,
+                             BLOCK_DV, True, HAS_KEY_PADDING, HAS_DOCUMENTS, PRECISION, OWN_WALK)
 
     part = tl.cast(part, tl.int64)
     dk_ptrs = head_start(DK + part * stride_dk_part, batch, kv_head, row, stride_dkb, stride_dkh, stride_dks)
@@ -216,6 +226,15 @@ def _dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, cu_seqlens_q, cu_seqlens_k, Ke
     dv_ptrs = head_start(DV + part * stride_dv_part, batch, kv_head, row, stride_dvb, stride_dvh, stride_dvs)
     store_tile(dv_ptrs + offs_n[:, None] * stride_dvs + d_v[None, :], dv.to(DV.dtype.element_ty),
                keys_ok, d_v, D_V, BLOCK_DV)
+
+
+def own_walks(varlen, short, wide):
+    """Whether the backward's programs make their own descriptors for the tiles they walk (K and
+    V in the dQ kernel, Q and dO in the dK/dV kernel) rather than read ``walked`` ones made on
+    the host: always, but for the short walks (windows) of head tiles at most 256 wide together.
+    There the host's were 2-6% faster; on long walks they cost up to 9%, and wide tiles lost on
+    a window too (GQA+MLA 192/128: 3%; BENCHMARKS.md)."""
+    return varlen or not short or wide
 
 
 def _group_parts(device, group, programs):
@@ -242,10 +261,11 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, ma
     group = h_q // h_kv
     varlen = cu_seqlens_q is not None
     delta = torch.empty(1 if varlen else batch, h_q, s_q, dtype=torch.float32, device=q.device).expand(batch, h_q, s_q)
+    short = short_walk(before, after)
+    own = own_walks(varlen, short, head_blocks(d_qk) + head_blocks(d_v) > 256)
     common = dict(D_QK=d_qk, D_V=d_v, BLOCK_DQK=head_blocks(d_qk), BLOCK_DV=head_blocks(d_v), VARLEN=varlen,
                   HAS_KEY_PADDING=key_padding_mask is not None, HAS_DOCUMENTS=document_ids is not None,
-                  PRECISION=dot_precision(q.dtype),
-                  SHORT_WALK=short_walk(before, after))
+                  PRECISION=dot_precision(q.dtype), SHORT_WALK=short, OWN_WALK=own)
     mask_args = (*key_padding_args(key_padding_mask), *document_args(document_ids))
     qk_scale = scale * LOG2E.value
 
@@ -254,7 +274,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, ma
 
     launch(
         _dq_kernel, dq_grid, q.device,
-        q, k, v, dout, out, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *mask_args,
+        q, walked(k, own), walked(v, own), dout, out, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *mask_args,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *out.stride()[:3],
         *lse.stride(), *delta.stride(), *dq.stride()[:3],
         max_seqlen_q, max_seqlen_k, group, before, after, qk_scale, scale, **common,
@@ -272,7 +292,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, ma
 
     launch(
         _dkdv_kernel, dkdv_grid, q.device,
-        q, k, v, dout, lse, delta, dk_parts, dv_parts, cu_seqlens_q, cu_seqlens_k, *mask_args,
+        walked(q, own), k, v, walked(dout, own), lse, delta, dk_parts, dv_parts, cu_seqlens_q, cu_seqlens_k, *mask_args,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *lse.stride(), *delta.stride(),
         dk_parts.stride(0), *dk_parts.stride()[1:4], dv_parts.stride(0), *dv_parts.stride()[1:4],
         max_seqlen_q, max_seqlen_k, group, parts, before, after, qk_scale, scale, **common,

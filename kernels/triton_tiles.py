@@ -8,8 +8,8 @@ Packed documents in a dense batch (``document_args``) AND a same-document test i
 tiles and narrow the tiles a block visits to its rows' documents.
 
 The tile loops read through tensor descriptors (TMA on Hopper, ``walk_rows``): for a dense
-(B, H, S, D) tensor one made on the host (``walked``), for packed varlen documents one that each
-program makes over its document's rows.
+(B, H, S, D) tensor one made on the host (``walked``); for packed varlen documents, and in the
+backward's long walks, one that each program makes over its rows.
 """
 import contextvars
 import os
@@ -34,20 +34,26 @@ def autotune(small, large, key, walked=(), walk_block=None):
     (``dot_precision``) run on the CUDA cores and compile slowly: they get the first float32
     configuration alone instead of a tuning run over all of them. One small configuration
     when interpreting, so the CPU tests cross several tiles. The kernel's first argument must be
-    Q, and it takes the PRECISION and SHORT_WALK constexprs, which join the key. ``walked``: the
-    arguments its tile loop reads through ``walked`` descriptors, in tiles of ``walk_block`` rows;
-    each configuration sets their block shapes before it runs."""
+    Q (a tensor or its ``walked`` descriptor), and it takes the PRECISION and SHORT_WALK
+    constexprs, which join the key. ``walked``: the arguments its tile loop reads through
+    ``walked`` descriptors, in tiles of ``walk_block`` rows; each configuration sets their block
+    shapes before it runs (``launch`` does it for a pick)."""
     key = [*key, "PRECISION", "SHORT_WALK"]
 
     def set_block_shapes(nargs):
-        for name in walked:
-            if isinstance(nargs[name], TensorDescriptor):
-                nargs[name].block_shape = [1, 1, nargs[walk_block], nargs[name].block_shape[-1]]
+        shape_walks((nargs[name] for name in walked), nargs[walk_block])
 
     block_shapes = set_block_shapes if walked else None
 
+    def tuned(configs, **options):
+        def decorate(fn):
+            kernel = triton.autotune(configs, key=key, **options)(fn)
+            kernel.walk_block = walk_block
+            return kernel
+        return decorate
+
     if INTERPRET:
-        return triton.autotune([triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, pre_hook=block_shapes)], key=key)
+        return tuned([triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, pre_hook=block_shapes)])
 
     def configs(sizes, float32=False):
         if float32:
@@ -60,11 +66,19 @@ def autotune(small, large, key, walked=(), walk_block=None):
 
     def by_head_dims_and_dtype(_configs, named_args, **kwargs):
         args = {**named_args, **kwargs}
-        kind = by_kind[args["BLOCK_DQK"] + args["BLOCK_DV"] > 256, args["Q"].element_size() == 4]
+        q = args["Q"].base if isinstance(args["Q"], TensorDescriptor) else args["Q"]
+        kind = by_kind[args["BLOCK_DQK"] + args["BLOCK_DV"] > 256, q.element_size() == 4]
         return kind[:1] if args["PRECISION"] == "ieee" else kind
 
     every = [config for kind in by_kind.values() for config in kind]
-    return triton.autotune(every, key=key, prune_configs_by={"early_config_prune": by_head_dims_and_dtype})
+    return tuned(every, prune_configs_by={"early_config_prune": by_head_dims_and_dtype})
+
+
+def shape_walks(args, rows):
+    """Sets the block shape of every ``walked`` descriptor among ``args`` to tiles of ``rows`` rows."""
+    for arg in args:
+        if isinstance(arg, TensorDescriptor):
+            arg.block_shape = [1, 1, rows, arg.block_shape[-1]]
 
 
 _PICKS = {}  # (autotuned kernel, its autotuning key) -> the configuration it picked
@@ -75,8 +89,8 @@ def launch(kernel, grid, device, *args, **kwargs):
     tensor descriptors need, from an allocator set in a copy of the current context: a Triton
     allocator the caller set stays in place. Triton's autotuner rebuilds its key on every call
     by scanning the argument names once per argument (tens of µs of host time for these
-    kernels); here a key's first call tunes and later calls launch its pick directly, after its
-    pre-hook, if any (``autotune``'s block shapes)."""
+    kernels); here a key's first call tunes and later calls launch its pick directly, after
+    setting the block shapes of its ``walked`` descriptors for the pick's tiles."""
     key = (kernel, *(kwargs[name] for name in kernel.keys), *(str(arg.dtype) for arg in args if hasattr(arg, "dtype")))
 
     def scratch(size, alignment, stream):
@@ -89,8 +103,8 @@ def launch(kernel, grid, device, *args, **kwargs):
             kernel[grid](*args, **kwargs)
             _PICKS[key] = kernel.best_config
         else:
-            if pick.pre_hook is not None:
-                pick.pre_hook({**dict(zip(kernel.fn.arg_names, args)), **kwargs, **pick.all_kwargs()})
+            if kernel.walk_block is not None:
+                shape_walks(args, pick.kwargs[kernel.walk_block])
             kernel.fn[grid](*args, **kwargs, **pick.all_kwargs())
 
     contextvars.copy_context().run(run)
@@ -164,37 +178,39 @@ def rows_of(ptr, batch, head, row, n_rows, stride_b, stride_h, stride_s, D: tl.c
 
 @triton.jit
 def walk_rows(ptr, batch, head, row, n_rows, stride_b, stride_h, stride_s, D: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-              BLOCK_D: tl.constexpr, VARLEN: tl.constexpr):
+              BLOCK_D: tl.constexpr, OWN: tl.constexpr):
     """What a tile loop reads one head's rows [row, row + n_rows) through, with ``walk_tile``:
-    ``ptr`` itself for a dense tensor, which came as a ``walked`` descriptor over all of it (its
-    tiles then end at the tensor's last row, not at ``n_rows``: the masks hide the keys between);
-    for packed documents, whose batch stride is 0, a descriptor this program makes over its rows."""
-    if VARLEN:
+    ``ptr`` itself where it came as a ``walked`` descriptor over a whole dense tensor (its tiles
+    then end at the tensor's last row, not at ``n_rows``: the masks hide the rows between); with
+    ``OWN``, a descriptor this program makes over its rows (packed documents, whose batch stride
+    is 0, and the backward's long walks)."""
+    if OWN:
         return rows_of(ptr, batch, head, row, n_rows, stride_b, stride_h, stride_s, D, BLOCK_ROWS, BLOCK_D), 0, 0
     else:
         return ptr, batch, head
 
 
 @triton.jit
-def walk_tile(rows, start, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr):
+def walk_tile(rows, start, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, OWN: tl.constexpr):
     """The (BLOCK_ROWS, BLOCK_D) tile from row ``start`` of ``walk_rows``' rows, zero past their
     end and past the head dim."""
     desc, batch, head = rows
-    if VARLEN:
+    if OWN:
         return desc.load([start, 0])
     else:
         return desc.load([batch, head, start, 0]).reshape([BLOCK_ROWS, BLOCK_D])
 
 
-def walked(x, varlen):
-    """The forward's argument for K or V, which its key loop reads (``walk_rows``): for a dense
-    (B, H, S, D) tensor with 16-byte aligned strides and start, one descriptor made here, so that
-    no program makes its own (the forward ran 1.5-2.5% faster on causal attention, 5% on a 1024
-    window, for about 80 µs more host time per call; BENCHMARKS.md); ``autotune`` sets its block
-    shape. Packed documents pass the tensor.
-    The backward's loops make their own: host descriptors for Q and dO cost its dK/dV kernel up to
-    9% (GQA+MLA, document ids), and for K and V gained its dQ kernel nothing measurable."""
-    if varlen:
+def walked(x, own):
+    """A kernel's argument for a tensor its tile loop reads (``walk_rows``): for a dense (B, H, S, D)
+    tensor with 16-byte aligned strides and start, one descriptor made here, so that no program
+    makes its own; ``autotune`` sets its block shape. With ``own`` (packed documents, or a walk
+    where the programs' own descriptors measured faster), the tensor itself.
+    One descriptor from the host made the forward 1.5-2.5% faster on causal attention and 5% on a
+    1024 window, for about 80 µs more host time per call. In the backward it gained on windows
+    but cost the dK/dV kernel up to 9% on long walks (GQA+MLA, document ids), hence
+    ``triton_backward``'s choice (BENCHMARKS.md)."""
+    if own:
         return x
     if x.numel() == 0:  # a descriptor's dims must be positive; no tile of an empty tensor is read
         x = x.new_zeros(1, 1, 1, head_blocks(x.shape[-1]))[..., :x.shape[-1]]
