@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .triton_tiles import (LOG2E, autotune, document_args, document_rows, document_tiles, dot_precision, head_blocks,
-                           head_start, key_padding_args, key_tiles, launch, load_rows, padding_bounds, position_mask,
+                           head_start, key_padding_args, key_walk, launch, load_rows, padding_bounds, position_mask,
                            query_block, real_keys, sequence, short_walk, store_tile, tile_ranges, walk_rows, walk_tile,
                            walked)
 
@@ -93,16 +93,11 @@ def _dq_kernel(Q, K, V, DO, O, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k, KeyPa
     tl.store(delta_ptrs + offs_m * stride_ds, delta, mask=rows_ok)
     lse = _log2_lse(head_start(Lse, batch, head, row, stride_lb, stride_lh, stride_ls) + offs_m * stride_ls, rows_ok)
 
-    ids, spans, runs, row_docs = document_rows(Ids, stride_idb, Spans, Runs, batch, rows, seqlen_q, HAS_DOCUMENTS)
-    k_rows = walk_rows(K, batch, head // group, k_start, seqlen_k, stride_kb, stride_kh, stride_ks, D_QK, BLOCK_N,
-                       BLOCK_DQK, OWN_WALK)
-    v_rows = walk_rows(V, batch, head // group, k_start, seqlen_k, stride_vb, stride_vh, stride_vs, D_V, BLOCK_N,
-                       BLOCK_DV, OWN_WALK)
-    lo, full_lo, plain_hi, full_hi, hi = key_tiles(seqlen_k, real_prefix, first, last, before, after, spans, runs,
-                                                   BLOCK_M, BLOCK_N, HAS_DOCUMENTS)
-    key_padding = KeyPadding
-    if HAS_KEY_PADDING:
-        key_padding += batch * stride_kpb
+    k_rows, v_rows, key_padding, ids, row_docs, tiles = key_walk(
+        K, V, KeyPadding, stride_kpb, Ids, stride_idb, Spans, Runs, batch, head // group, k_start, seqlen_k, seqlen_q,
+        real_prefix, first, last, rows, before, after, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+        D_QK, D_V, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, HAS_KEY_PADDING, HAS_DOCUMENTS, OWN_WALK)
+    lo, full_lo, plain_hi, full_hi, hi = tiles
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
     dq = _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, row_docs, ids, rows, cols, lo, full_lo,
                    seqlen_k, before, after, qk_scale, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, HAS_KEY_PADDING,

@@ -13,9 +13,9 @@ first padded key run without loading the mask. It may also add (B, S) document i
 import triton
 import triton.language as tl
 
-from .triton_tiles import (LN2, LOG2E, autotune, document_args, document_rows, dot_precision, head_blocks,
-                           head_start, key_padding_args, key_tiles, launch, load_rows, position_mask, query_block,
-                           real_keys, short_walk, store_tile, walk_rows, walk_tile, walked)
+from .triton_tiles import (LN2, LOG2E, autotune, document_args, dot_precision, head_blocks, head_start,
+                           key_padding_args, key_walk, launch, load_rows, position_mask, query_block, real_keys,
+                           short_walk, store_tile, walk_tile, walked)
 
 
 @triton.jit
@@ -79,16 +79,11 @@ def _forward_kernel(Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, KeyPadding, s
     d_v = tl.arange(0, BLOCK_DV)
 
     q = load_rows(Q, batch, head, q_start, first, seqlen_q, stride_qb, stride_qh, stride_qs, D_QK, BLOCK_M, BLOCK_DQK)
-    ids, spans, runs, row_docs = document_rows(Ids, stride_idb, Spans, Runs, batch, rows, seqlen_q, HAS_DOCUMENTS)
-    k_rows = walk_rows(K, batch, head // group, k_start, seqlen_k, stride_kb, stride_kh, stride_ks, D_QK, BLOCK_N,
-                       BLOCK_DQK, VARLEN)
-    v_rows = walk_rows(V, batch, head // group, k_start, seqlen_k, stride_vb, stride_vh, stride_vs, D_V, BLOCK_N,
-                       BLOCK_DV, VARLEN)
-    lo, full_lo, plain_hi, full_hi, hi = key_tiles(seqlen_k, real_prefix, first, last, before, after, spans, runs,
-                                                   BLOCK_M, BLOCK_N, HAS_DOCUMENTS)
-    key_padding = KeyPadding
-    if HAS_KEY_PADDING:
-        key_padding += batch * stride_kpb
+    k_rows, v_rows, key_padding, ids, row_docs, tiles = key_walk(
+        K, V, KeyPadding, stride_kpb, Ids, stride_idb, Spans, Runs, batch, head // group, k_start, seqlen_k, seqlen_q,
+        real_prefix, first, last, rows, before, after, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+        D_QK, D_V, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, HAS_KEY_PADDING, HAS_DOCUMENTS, VARLEN)
+    lo, full_lo, plain_hi, full_hi, hi = tiles
 
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)

@@ -278,6 +278,29 @@ def key_tiles(seqlen_k, real_prefix, first, last, before, after, spans, runs, BL
 
 
 @triton.jit
+def key_walk(K, V, KeyPadding, stride_kpb, Ids, stride_idb, Spans, Runs, batch, kv_head, k_start, seqlen_k, seqlen_q,
+             real_prefix, first, last, rows, before, after, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
+             stride_vs, D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_KEY_PADDING: tl.constexpr,
+             HAS_DOCUMENTS: tl.constexpr, OWN: tl.constexpr):
+    """What a block of query rows [first, last] reads on its walk over the key tiles, in the
+    forward and dQ kernels: (k_rows, v_rows, key_padding, ids, row_docs, tiles), K's and V's
+    ``walk_rows``, the batch row's key padding mask, its document ids and the rows' documents
+    (``document_rows``), and ``key_tiles``' five cuts."""
+    ids, spans, runs, row_docs = document_rows(Ids, stride_idb, Spans, Runs, batch, rows, seqlen_q, HAS_DOCUMENTS)
+    k_rows = walk_rows(K, batch, kv_head, k_start, seqlen_k, stride_kb, stride_kh, stride_ks, D_QK, BLOCK_N, BLOCK_DQK,
+                       OWN)
+    v_rows = walk_rows(V, batch, kv_head, k_start, seqlen_k, stride_vb, stride_vh, stride_vs, D_V, BLOCK_N, BLOCK_DV,
+                       OWN)
+    tiles = key_tiles(seqlen_k, real_prefix, first, last, before, after, spans, runs, BLOCK_M, BLOCK_N, HAS_DOCUMENTS)
+    if HAS_KEY_PADDING:
+        key_padding = KeyPadding + batch * stride_kpb
+    else:
+        key_padding = 0  # not None: a compiled kernel cannot hold None in a tuple
+    return k_rows, v_rows, key_padding, ids, row_docs, tiles
+
+
+@triton.jit
 def document_tiles(spans, runs, first, last, lo, full_lo, full_hi, hi, BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """``tile_ranges``' cuts narrowed to the documents of rows [first, last] (rows of q, or, in
     the dK/dV kernel, of k: the two share their positions). ``spans`` and ``runs`` are the batch
