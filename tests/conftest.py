@@ -1,9 +1,11 @@
 import os
+import shutil
 import tempfile
 
-# A fresh Inductor cache for every test session: a cache left by an older checkout of the ops
-# could hand back compiled code that calls them with an outdated schema.
-os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="attn_compile_inductor_")
+# A fresh Inductor cache for every test session, removed when it ends: a cache left by an older
+# checkout of the ops could hand back compiled code that calls them with an outdated schema.
+INDUCTOR_CACHE = tempfile.mkdtemp(prefix="attn_compile_inductor_")
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = INDUCTOR_CACHE
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -12,6 +14,10 @@ import torch  # noqa: E402
 # (attn_compile.kernels, torch._dynamo.testing) imports triton.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(INDUCTOR_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
