@@ -56,7 +56,7 @@ def _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, row_docs, ids,
 @autotune(
     small=[(64, 32, 4, 4), (64, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
     large=[(64, 32, 4, 3), (64, 32, 4, 4), (128, 64, 8, 2)],
-    key=["BLOCK_DQK", "BLOCK_DV"], walked=("K", "V"), walk_block="BLOCK_N",
+    key=["BLOCK_DQK", "BLOCK_DV"], walk_block="BLOCK_N",
 )
 @triton.jit
 def _dq_kernel(Q, K, V, DO, O, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k, KeyPadding, stride_kpb, KeyBounds, Ids,
@@ -149,7 +149,7 @@ def _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, key_d
 @autotune(
     small=[(32, 64, 4, 4), (32, 64, 4, 3), (64, 128, 8, 2), (32, 128, 8, 3)],
     large=[(32, 128, 8, 2), (32, 128, 8, 3), (16, 64, 4, 3), (64, 128, 8, 2)],
-    key=["BLOCK_DQK", "BLOCK_DV"], walked=("Q", "DO"), walk_block="BLOCK_M",
+    key=["BLOCK_DQK", "BLOCK_DV"], walk_block="BLOCK_M",
 )
 @triton.jit
 def _dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, cu_seqlens_q, cu_seqlens_k, KeyPadding, stride_kpb, KeyBounds,

@@ -54,7 +54,7 @@ def _attend(acc, row_sum, row_max, q, k_rows, v_rows, key_padding, row_docs, ids
 @autotune(
     small=[(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)],
     large=[(128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3)],
-    key=["BLOCK_DQK", "BLOCK_DV"], walked=("K", "V"), walk_block="BLOCK_N",
+    key=["BLOCK_DQK", "BLOCK_DV"], walk_block="BLOCK_N",
 )
 @triton.jit
 def _forward_kernel(Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, KeyPadding, stride_kpb, KeyBounds, Ids, stride_idb,

@@ -26,7 +26,7 @@ LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
 
-def autotune(small, large, key, walked=(), walk_block=None):
+def autotune(small, large, key, walk_block=None):
     """``triton.autotune`` over ``small`` while the two head tiles are at most 256 wide together
     (d 128/128) and ``large`` beyond, each a list of (BLOCK_M, BLOCK_N, num_warps, num_stages)
     picked from H100 sweeps (wider tiles with 4 warps spill there); float32 tiles take twice the
@@ -35,15 +35,15 @@ def autotune(small, large, key, walked=(), walk_block=None):
     configuration alone instead of a tuning run over all of them. One small configuration
     when interpreting, so the CPU tests cross several tiles. The kernel's first argument must be
     Q (a tensor or its ``walked`` descriptor), and it takes the PRECISION and SHORT_WALK
-    constexprs, which join the key. ``walked``: the arguments its tile loop reads through
-    ``walked`` descriptors, in tiles of ``walk_block`` rows; each configuration sets their block
-    shapes before it runs (``launch`` does it for a pick)."""
+    constexprs, which join the key. ``walk_block``: the tile rows of its walk; each configuration
+    sets the block shapes of the ``walked`` descriptors among its arguments before it runs
+    (``launch`` does it for a pick)."""
     key = [*key, "PRECISION", "SHORT_WALK"]
 
     def set_block_shapes(nargs):
-        shape_walks((nargs[name] for name in walked), nargs[walk_block])
+        shape_walks(nargs.values(), nargs[walk_block])
 
-    block_shapes = set_block_shapes if walked else None
+    block_shapes = set_block_shapes if walk_block else None
 
     def tuned(configs, **options):
         def decorate(fn):
