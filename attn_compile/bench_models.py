@@ -1,16 +1,19 @@
 """Benchmark Hugging Face model stacks compiled with backend="attn_cp" against the same compiler
 without the attention rewrite (backend="inductor" by default), side by side.
 
-Stacks: Llama-3-8B-shaped and Mistral-7B-shaped (``LlamaModel``/``MistralModel``, random weights,
-4 layers, bf16, batch 2, S = 4096 and 8192). The Mistral stack uses a 1024-token sliding window
-(the window of ../shared/BASELINES.md). Inputs (``--inputs``): ``padding``, an attention mask with
-the second row right-padded by 1/8; or ``packed``, Hugging Face's training input for packed
-sequences: position_ids that restart at each document (row 0: documents of 1/2, 1/4, 1/8 and 1/8
-of S; row 1: 3/8 and 5/8), no attention mask. Measured, as medians of ``triton.testing.do_bench``:
+Stacks: Llama-3-8B-shaped, Mistral-7B-shaped and Gemma-2-9B-shaped (``LlamaModel``,
+``MistralModel``, ``Gemma2Model``; random weights, 4 layers, bf16, batch 2, S = 4096 and 8192).
+The Mistral stack uses a 1024-token sliding window (the window of ../shared/BASELINES.md). Gemma 2
+runs Hugging Face's eager attention, as it must (its scores are softcapped, which SDPA cannot
+take), with its own 4096-token window on every other layer; the attention measured is its first
+layer's. Inputs (``--inputs``): ``padding``, an attention mask with the second row right-padded
+by 1/8; or ``packed``, Hugging Face's training input for packed sequences: position_ids that
+restart at each document (row 0: documents of 1/2, 1/4, 1/8 and 1/8 of S; row 1: 3/8 and 5/8),
+no attention mask. Measured, as medians of ``triton.testing.do_bench``:
 
 - attention: Hugging Face's own mask construction and SDPA integration (repeat_kv, the explicit
-  bool mask) on (B, H, S, D) q, k, v laid out as the model's projections give them (transposed
-  (B, S, H, D) memory), forward and forward+backward;
+  bool mask; Gemma 2: its eager attention function) on (B, H, S, D) q, k, v laid out as the
+  model's projections give them (transposed (B, S, H, D) memory), forward and forward+backward;
 - step: the whole stack, forward and backward of a mean-square loss of its output (with
   ``--checkpointing``, each layer in an activation checkpoint, recomputed in the backward).
 
@@ -32,20 +35,29 @@ SHAPES = {
                   "num_key_value_heads": 8, "vocab_size": 128256, "rope_theta": 500000.0},
     "mistral-7b": {"num_hidden_layers": 4, "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
                    "num_key_value_heads": 8, "vocab_size": 32000, "sliding_window": 1024},
+    "gemma2-9b": {"num_hidden_layers": 4, "hidden_size": 3584, "intermediate_size": 14336, "num_attention_heads": 16,
+                  "num_key_value_heads": 8, "head_dim": 256, "vocab_size": 256000, "sliding_window": 4096,
+                  "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0},
 }
 _TINY = {"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
          "num_key_value_heads": 2, "vocab_size": 128}
-TINY_SHAPES = {"llama3-8b": _TINY, "mistral-7b": {**_TINY, "sliding_window": 16}}
+TINY_SHAPES = {"llama3-8b": _TINY, "mistral-7b": {**_TINY, "sliding_window": 16},
+               "gemma2-9b": {**_TINY, "head_dim": 16, "sliding_window": 16, "query_pre_attn_scalar": 16,
+                             "attn_logit_softcapping": 50.0}}
+MODELS = {  # transformers' config and model classes, and the attention implementation
+    "llama3-8b": ("LlamaConfig", "LlamaModel", "sdpa"),
+    "mistral-7b": ("MistralConfig", "MistralModel", "sdpa"),
+    "gemma2-9b": ("Gemma2Config", "Gemma2Model", "eager"),
+}
 
 
 def _model(name: str, dims: dict, seq: int, device, dtype, checkpointing: bool):
     import transformers
 
-    config_cls, model_cls = ((transformers.LlamaConfig, transformers.LlamaModel) if name.startswith("llama") else
-                             (transformers.MistralConfig, transformers.MistralModel))
-    config = config_cls(max_position_embeddings=seq, **dims)
-    config._attn_implementation = "sdpa"
-    model = model_cls(config).to(device=device, dtype=dtype)
+    config_cls, model_cls, attention = MODELS[name]
+    config = getattr(transformers, config_cls)(max_position_embeddings=seq, **dims)
+    config._attn_implementation = attention
+    model = getattr(transformers, model_cls)(config).to(device=device, dtype=dtype)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
@@ -56,15 +68,18 @@ def _hf_attention(model) -> Callable:
     this model."""
     from transformers import masking_utils
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
 
     config, module = model.config, model.layers[0].self_attn
     make_mask = (masking_utils.create_sliding_window_causal_mask if getattr(config, "sliding_window", None)
                  else masking_utils.create_causal_mask)
+    forward = eager_attention_forward if config._attn_implementation == "eager" else sdpa_attention_forward
+    softcap = {"softcap": config.attn_logit_softcapping} if forward is eager_attention_forward else {}
 
     def attention(q, k, v, masking: dict):
         embeds = q.transpose(1, 2)  # (B, S, ...): the mask helpers read batch, length, dtype and device
         mask = make_mask(config=config, inputs_embeds=embeds, past_key_values=None, **masking)
-        return sdpa_attention_forward(module, q, k, v, mask, scaling=module.scaling)[0]
+        return forward(module, q, k, v, mask, scaling=module.scaling, **softcap)[0]
     return attention
 
 
@@ -107,7 +122,7 @@ def _measure(compile_fn, model, dims: dict, masking: dict, device, dtype, timer)
     """Milliseconds of attention fwd, attention fwd+bwd and the step, for one way of compiling."""
     torch.manual_seed(0)
     heads, kv_heads = dims["num_attention_heads"], dims["num_key_value_heads"]
-    head_dim = dims["hidden_size"] // heads
+    head_dim = dims.get("head_dim", dims["hidden_size"] // heads)
     seq = masking["position_ids"].shape[1]
     q, k, v = (_as_projected(BATCH, n, seq, head_dim, device, dtype) for n in (heads, kv_heads, kv_heads))
     ids = torch.randint(0, dims["vocab_size"], (BATCH, seq), device=device)

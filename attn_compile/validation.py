@@ -2,6 +2,8 @@
 
 They run on real and fake tensors alike, so a bad call fails at trace time where it can.
 """
+import math
+
 import torch
 
 
@@ -9,7 +11,8 @@ def _fail(message: str):
     raise ValueError(message)
 
 
-def check_attention_args(q, k, v, attn_mask, window, key_padding_mask=None, document_ids=None, q_offset=0):
+def check_attention_args(q, k, v, attn_mask, window, key_padding_mask=None, document_ids=None, q_offset=0,
+                         softcap=0.0):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != 4:
             _fail(f"{name} must be 4-D (batch, heads, seq, dim); got shape {tuple(x.shape)}")
@@ -30,6 +33,8 @@ def check_attention_args(q, k, v, attn_mask, window, key_padding_mask=None, docu
     left, right = window
     if left < -1 or right < -1:
         _fail(f"window must be (left, right) with each >= 0, or -1 for unbounded; got {tuple(window)}")
+    if not 0 <= softcap < math.inf:
+        _fail(f"softcap must be 0 (no cap) or a finite cap > 0; got {softcap}")
     if attn_mask is not None:
         _check_mask(q, k, attn_mask, window)
     if key_padding_mask is not None:

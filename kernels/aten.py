@@ -1,8 +1,8 @@
 """PyTorch's fused CUDA attention kernels that return the LSE: cuDNN, flash (FA2) and efficient.
 
 Each is used only through ``supports``: a kernel is never handed a shape or an argument it
-cannot take. None of them takes a window, a mask or position offsets that matter, so the
-mask arguments other than ``is_causal`` reach them only at values that change nothing.
+cannot take. None of them takes a window, a mask, position offsets that matter or a softcap, so
+the mask arguments other than ``is_causal`` reach them only at values that change nothing.
 """
 import torch
 
@@ -13,7 +13,7 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 def _plain(p: Problem) -> bool:
-    """What all three need: CUDA, no window, no offsets, and causal only when square."""
+    """What all three need: CUDA, no window, no offsets, no softcap, and causal only when square."""
     return (
         p.device_type == "cuda"
         and not p.windowed
@@ -21,6 +21,7 @@ def _plain(p: Problem) -> bool:
         and not p.has_mask
         and not p.has_key_padding
         and not p.has_documents
+        and not p.softcapped
         and (not p.is_causal or p.s_q == p.s_k)
         and p.d_qk % 8 == 0
         and p.d_v % 8 == 0
@@ -118,7 +119,7 @@ class FlashVarlen:
     def supports(p: Problem) -> bool:
         return (
             p.device_type == "cuda" and p.dtype in _HALF and not p.has_mask and not p.has_key_padding
-            and not p.has_documents and not p.offset and p.d_qk % 8 == 0 and p.d_v <= p.d_qk <= 256
+            and not p.has_documents and not p.offset and not p.softcapped and p.d_qk % 8 == 0 and p.d_v <= p.d_qk <= 256
             and p.sm >= (8, 0) and torch.backends.cuda.flash_sdp_enabled()
         )
 
@@ -132,7 +133,7 @@ class FlashVarlen:
 
     @staticmethod
     def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale, is_causal=False,
-                window=(-1, -1)):
+                window=(-1, -1), **_trivial_masking):
         out, lse, *_ = aten._flash_attention_forward(
             q, k, FlashVarlen._padded(v, q.shape[-1]), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0,
             is_causal, False, scale=scale, window_size_left=window[0], window_size_right=window[1])
@@ -140,7 +141,7 @@ class FlashVarlen:
 
     @staticmethod
     def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale,
-                 is_causal=False, window=(-1, -1)):
+                 is_causal=False, window=(-1, -1), **_trivial_masking):
         d = q.shape[-1]
         empty = q.new_empty(0)
         dq, dk, dv = aten._flash_attention_backward(

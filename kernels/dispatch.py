@@ -13,7 +13,9 @@ CUDA.
 Mask arguments, shared by every function here: ``is_causal`` (key j visible to query i when
 j <= i), ``window=(left, right)`` (i-left <= j <= i+right, -1 unbounded), ``attn_mask`` (bool,
 True = visible, or additive), ``key_padding_mask`` ((B, S_k) bool, True = a real key), and the
-global positions ``q_offset + i`` / ``k_offset + j``. All that apply are ANDed.
+global positions ``q_offset + i`` / ``k_offset + j``. All that apply are ANDed. ``softcap`` > 0
+caps the scaled scores before the masks (``softcap * tanh(scores / softcap)``); only Triton and
+the reference take it.
 """
 import torch
 
@@ -62,7 +64,8 @@ def _documents_as_varlen(document_ids, masking):
 
 
 def _positional(masking):
-    return {name: masking[name] for name in ("is_causal", "window") if name in masking}
+    """What a packed varlen call keeps of a dense call's masking."""
+    return {name: masking[name] for name in ("is_causal", "window", "softcap") if name in masking}
 
 
 def attention_forward(q, k, v, *, scale, document_ids=None, **masking):
@@ -124,7 +127,8 @@ def select_varlen_kernel(q, k, v, **masking) -> str:
 
 
 def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale, **masking):
-    """(out (total_q, h_q, d_v), lse (total_q, h_q)) of packed documents; masking: is_causal and window.
+    """(out (total_q, h_q, d_v), lse (total_q, h_q)) of packed documents; masking: is_causal, window and
+    softcap.
     Distinct cu_seqlens_q and cu_seqlens_k tensors count as documents whose query and key lengths
     differ (FA2 aligns their masks bottom-right, the others top-left)."""
     kernel = _varlen_kernel(q, k, v, masking, aligned=cu_seqlens_q is cu_seqlens_k)

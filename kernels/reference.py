@@ -3,7 +3,9 @@
 It runs on any device and is both the CPU path and the oracle the fused kernels are checked
 against. GQA is native: the h_q/h_kv query heads of a group are stacked along the row axis,
 so every key block is read once per group and never repeated. d_qk and d_v are independent.
-Rows that see no key produce output 0 and LSE -inf, and zero gradients.
+Rows that see no key produce output 0 and LSE -inf, and zero gradients. ``softcap`` > 0 caps
+the scaled scores as ``softcap * tanh(scores / softcap)`` before any mask (Gemma 2's logit
+softcapping); 0 leaves them as they are.
 """
 import itertools
 
@@ -29,12 +31,12 @@ def _grouped(x: torch.Tensor, h_kv: int, acc: torch.dtype) -> torch.Tensor:
 class _Blocks:
     """Shared by forward and backward: the key blocks to visit and the scores of each."""
 
-    def __init__(self, q, k, scale, is_causal, window, attn_mask, key_padding_mask, q_offset, k_offset):
+    def __init__(self, q, k, scale, is_causal, window, attn_mask, key_padding_mask, q_offset, k_offset, softcap):
         self.b, self.h_q, self.s_q, _ = q.shape
         self.h_kv, self.s_k = k.shape[1], k.shape[2]
         self.g = self.h_q // self.h_kv
         self.acc = lse_dtype(q.dtype)
-        self.scale = scale
+        self.scale, self.softcap = scale, softcap
         self.left, self.right = effective_window(is_causal, window)
         self.q_offset, self.k_offset = q_offset, k_offset
         self.q_pos = torch.arange(self.s_q, device=q.device) + q_offset
@@ -51,8 +53,13 @@ class _Blocks:
                 yield start, end, vis
 
     def scores(self, q_rows, k_blk, start, end, vis):
-        """Scaled, masked scores (B, h_kv, g, S_q, blk) in the accumulation dtype."""
+        """(scores, slope): scaled, capped and masked scores (B, h_kv, g, S_q, blk) in the
+        accumulation dtype, and the derivative of the cap (1 - tanh², or 1 without one)."""
         s = (q_rows @ k_blk.transpose(-1, -2)).unflatten(2, (self.g, self.s_q)) * self.scale
+        slope = 1.0
+        if self.softcap:
+            capped = torch.tanh(s / self.softcap)
+            s, slope = self.softcap * capped, 1 - capped * capped
         if self.mask is not None:
             m = self.mask[..., start:end]
             s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.to(self.acc)
@@ -61,13 +68,13 @@ class _Blocks:
         if vis is Visibility.PARTIAL:
             k_pos = torch.arange(start, end, device=s.device) + self.k_offset
             s = s.masked_fill(~visible(self.q_pos, k_pos, self.left, self.right), float("-inf"))
-        return s
+        return s, slope
 
 
 def attention_forward(q, k, v, *, scale, is_causal=False, window=(-1, -1), attn_mask=None, key_padding_mask=None,
-                      q_offset=0, k_offset=0):
+                      q_offset=0, k_offset=0, softcap=0.0):
     """Returns (out (B, h_q, S_q, d_v) in q's dtype, lse (B, h_q, S_q) float32)."""
-    blocks = _Blocks(q, k, scale, is_causal, window, attn_mask, key_padding_mask, q_offset, k_offset)
+    blocks = _Blocks(q, k, scale, is_causal, window, attn_mask, key_padding_mask, q_offset, k_offset, softcap)
     b, h_kv, g, s_q = blocks.b, blocks.h_kv, blocks.g, blocks.s_q
     acc = blocks.acc
     q_rows = _grouped(q, h_kv, acc)
@@ -75,7 +82,7 @@ def attention_forward(q, k, v, *, scale, is_causal=False, window=(-1, -1), attn_
     row_sum = q.new_zeros((b, h_kv, g, s_q), dtype=acc)
     out = q.new_zeros((b, h_kv, g, s_q, v.shape[-1]), dtype=acc)
     for start, end, vis in blocks:
-        s = blocks.scores(q_rows, k[:, :, start:end].to(acc), start, end, vis)
+        s, _ = blocks.scores(q_rows, k[:, :, start:end].to(acc), start, end, vis)
         new_max = torch.maximum(row_max, s.amax(-1))
         shift = torch.where(new_max == float("-inf"), 0.0, new_max)
         p = torch.exp(s - shift[..., None])
@@ -91,10 +98,10 @@ def attention_forward(q, k, v, *, scale, is_causal=False, window=(-1, -1), attn_
 
 
 def attention_backward(dout, q, k, v, out, lse, *, scale, is_causal=False, window=(-1, -1), attn_mask=None,
-                       key_padding_mask=None, q_offset=0, k_offset=0):
+                       key_padding_mask=None, q_offset=0, k_offset=0, softcap=0.0):
     """Gradients (dq, dk, dv) given the final out and lse; works per key block, so a ring step
     can pass the merged out/lse of all steps and get exactly its share of the gradients."""
-    blocks = _Blocks(q, k, scale, is_causal, window, attn_mask, key_padding_mask, q_offset, k_offset)
+    blocks = _Blocks(q, k, scale, is_causal, window, attn_mask, key_padding_mask, q_offset, k_offset, softcap)
     h_kv, g, s_q = blocks.h_kv, blocks.g, blocks.s_q
     acc = blocks.acc
     q_rows = _grouped(q, h_kv, acc)
@@ -107,9 +114,10 @@ def attention_backward(dout, q, k, v, out, lse, *, scale, is_causal=False, windo
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     for start, end, vis in blocks:
         k_blk, v_blk = k[:, :, start:end].to(acc), v[:, :, start:end].to(acc)
-        p = torch.exp(blocks.scores(q_rows, k_blk, start, end, vis) - lse5[..., None])
+        s, slope = blocks.scores(q_rows, k_blk, start, end, vis)
+        p = torch.exp(s - lse5[..., None])
         dp = (do_rows @ v_blk.transpose(-1, -2)).unflatten(2, (g, s_q))
-        ds = (p * (dp - delta[..., None])).flatten(2, 3) * scale
+        ds = (p * (dp - delta[..., None]) * slope).flatten(2, 3) * scale
         p = p.flatten(2, 3)
         dv[:, :, start:end] = p.transpose(-1, -2) @ do_rows
         dk[:, :, start:end] = ds.transpose(-1, -2) @ q_rows
@@ -129,24 +137,24 @@ def _dense(x):
 
 
 def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale, is_causal=False,
-                   window=(-1, -1)):
+                   window=(-1, -1), softcap=0.0):
     """Packed documents (total, H, D), one call per document: out (total_q, h_q, d_v), lse (total_q, h_q)."""
     out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
     lse = q.new_full(q.shape[:-1], float("-inf"), dtype=lse_dtype(q.dtype))
     for q_rows, k_rows in _document_rows(cu_seqlens_q, cu_seqlens_k):
         part_out, part_lse = attention_forward(_dense(q[q_rows]), _dense(k[k_rows]), _dense(v[k_rows]), scale=scale,
-                                               is_causal=is_causal, window=window)
+                                               is_causal=is_causal, window=window, softcap=softcap)
         out[q_rows], lse[q_rows] = packed(part_out), packed(part_lse)
     return out, lse
 
 
 def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale,
-                    is_causal=False, window=(-1, -1)):
+                    is_causal=False, window=(-1, -1), softcap=0.0):
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for q_rows, k_rows in _document_rows(cu_seqlens_q, cu_seqlens_k):
         grads = attention_backward(_dense(dout[q_rows]), _dense(q[q_rows]), _dense(k[k_rows]), _dense(v[k_rows]),
                                    _dense(out[q_rows]), _dense(lse[q_rows]), scale=scale, is_causal=is_causal,
-                                   window=window)
+                                   window=window, softcap=softcap)
         for acc, rows, grad in zip((dq, dk, dv), (q_rows, k_rows, k_rows), grads):
             acc[rows] = packed(grad)
     return dq, dk, dv

@@ -7,8 +7,9 @@ of triton_forward.py, triton_backward.py and triton_merge.py.
   window masks are decided on global positions (``q_offset + i``, ``k_offset + j``), so a ring
   step or a zigzag chunk is one call. A (B, S_k) bool ``key_padding_mask`` (True = a real key)
   and (B, S) ``document_ids`` (S_q == S_k, no offsets; read on the device, so the call neither
-  syncs nor stops a CUDA graph) are ANDed with them; a tensor ``attn_mask`` is not taken. The backward takes the final,
-  possibly merged, out and LSE and returns this call's share of the gradients.
+  syncs nor stops a CUDA graph) are ANDed with them; a tensor ``attn_mask`` is not taken. ``softcap`` > 0
+  caps the scaled scores as ``softcap * tanh(scores / softcap)`` before the masks. The backward
+  takes the final, possibly merged, out and LSE and returns this call's share of the gradients.
 - ``varlen_forward`` / ``varlen_backward``: packed (total, H, D) documents with int32
   cumulative lengths starting at 0. Each document starts at position 0 in q and in k (causal
   is top-left aligned, as in SDPA). The LSE is (total_q, H), lined up with out.
@@ -19,6 +20,8 @@ Rows that see no key give output 0, LSE -inf and zero gradients. float32 inputs 
 float32 dots, or TF32 ones (relative error near 1e-3) when ``torch.set_float32_matmul_precision``
 allows them, as torch.matmul does (``triton_tiles.dot_precision``).
 """
+import math
+
 import torch
 
 from .problem import Problem
@@ -115,9 +118,11 @@ def _reaches(is_causal, window, q_offset, k_offset, longest, lengths="q, k"):
     return left + shift, right - shift
 
 
-def _check_scale_and_mask(scale, attn_mask=None):
+def _check_scale_and_mask(scale, attn_mask=None, softcap=0.0):
     if not scale > 0:
         raise ValueError(f"scale: {scale}; the kernels take the row maximum before scaling, so it must be positive")
+    if not 0 <= softcap < math.inf:
+        raise ValueError(f"softcap: {softcap}; expected 0 (no cap) or a finite cap > 0")
     if attn_mask is not None:
         raise ValueError("attn_mask: the Triton kernels take causal, window and key padding masks only (see supports)")
 
@@ -152,9 +157,9 @@ def _key_padding(key_padding_mask, k):
 
 
 def attention_forward(q, k, v, *, scale, is_causal=False, window=(-1, -1), attn_mask=None, key_padding_mask=None,
-                      q_offset=0, k_offset=0, document_ids=None):
+                      q_offset=0, k_offset=0, document_ids=None, softcap=0.0):
     """Returns (out (B, h_q, S_q, d_v) in q's dtype, lse (B, h_q, S_q) float32)."""
-    _check_scale_and_mask(scale, attn_mask)
+    _check_scale_and_mask(scale, attn_mask, softcap)
     q, k, v = _check_inputs(q, k, v)
     k, v = _descriptor_ready(k, v)
     key_padding = _key_padding(key_padding_mask, k)
@@ -162,14 +167,15 @@ def attention_forward(q, k, v, *, scale, is_causal=False, window=(-1, -1), attn_
     before, after = _reaches(is_causal, window, q_offset, k_offset, max(q.shape[2], k.shape[2]))
     out = empty_out(q, v.shape[-1])
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    forward(q, k, v, out, lse, None, None, q.shape[2], k.shape[2], scale, before, after, key_padding, documents)
+    forward(q, k, v, out, lse, None, None, q.shape[2], k.shape[2], scale, before, after, key_padding, documents,
+            softcap)
     return out, lse
 
 
 def attention_backward(dout, q, k, v, out, lse, *, scale, is_causal=False, window=(-1, -1), attn_mask=None,
-                       key_padding_mask=None, q_offset=0, k_offset=0, document_ids=None):
+                       key_padding_mask=None, q_offset=0, k_offset=0, document_ids=None, softcap=0.0):
     """(dq, dk, dv) given the final out and lse, which may merge this call with others."""
-    _check_scale_and_mask(scale, attn_mask)
+    _check_scale_and_mask(scale, attn_mask, softcap)
     q, k, v = _descriptor_ready(*_check_inputs(q, k, v))
     key_padding = _key_padding(key_padding_mask, k)
     documents = _document_ids(document_ids, q, k, q_offset, k_offset)
@@ -177,7 +183,7 @@ def attention_backward(dout, q, k, v, out, lse, *, scale, is_causal=False, windo
     before, after = _reaches(is_causal, window, q_offset, k_offset, max(q.shape[2], k.shape[2]))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     backward(dout, q, k, v, out, lse, dq, dk, dv, None, None, q.shape[2], k.shape[2], scale, before, after,
-             key_padding, documents)
+             key_padding, documents, softcap)
     return dq, dk, dv
 
 
@@ -198,9 +204,9 @@ def _documents(x, n):
 
 
 def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale, is_causal=False,
-                   window=(-1, -1)):
+                   window=(-1, -1), softcap=0.0):
     """Returns (out (total_q, h_q, d_v) in q's dtype, lse (total_q, h_q) float32)."""
-    _check_scale_and_mask(scale)
+    _check_scale_and_mask(scale, softcap=softcap)
     q, k, v = _check_inputs(q, k, v, packed=True)
     k, v = _descriptor_ready(k, v)
     n = _check_documents(cu_seqlens_q, cu_seqlens_k)
@@ -208,21 +214,21 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     out = q.new_empty(*q.shape[:-1], v.shape[-1])
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     forward(*(_documents(x, n) for x in (q, k, v, out, lse)), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-            scale, before, after)
+            scale, before, after, softcap=softcap)
     return out, lse
 
 
 def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale,
-                    is_causal=False, window=(-1, -1)):
+                    is_causal=False, window=(-1, -1), softcap=0.0):
     """(dq, dk, dv) of ``varlen_forward``, given its (possibly merged) out and lse."""
-    _check_scale_and_mask(scale)
+    _check_scale_and_mask(scale, softcap=softcap)
     q, k, v = _descriptor_ready(*_check_inputs(q, k, v, packed=True))
     dout, out = _check_result(dout, out, lse, q, v)
     n = _check_documents(cu_seqlens_q, cu_seqlens_k)
     before, after = _reaches(is_causal, window, 0, 0, max(max_seqlen_q, max_seqlen_k), "max_seqlen_q, max_seqlen_k")
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     backward(*(_documents(x, n) for x in (dout, q, k, v, out, lse, dq, dk, dv)), cu_seqlens_q, cu_seqlens_k,
-             max_seqlen_q, max_seqlen_k, scale, before, after)
+             max_seqlen_q, max_seqlen_k, scale, before, after, softcap=softcap)
     return dq, dk, dv
 
 

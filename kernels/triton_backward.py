@@ -8,18 +8,18 @@ given LSE (which may merge several calls, so each call gets exactly its share):
   When a few KV heads would leave the GPU idle, the group is split over several programs
   whose float32 partial sums are added afterwards.
 
-Layouts, the key padding mask and the document ids are those of triton_forward.py; the tiles a
-loop walks come through tensor descriptors, its own or the host's (``own_walks``). Masked pairs
-and rows with LSE -inf get P = 0.
+Layouts, the key padding mask, the document ids and the softcap are those of triton_forward.py;
+the tiles a loop walks come through tensor descriptors, its own or the host's (``own_walks``).
+Masked pairs and rows with LSE -inf get P = 0.
 """
 import torch
 import triton
 import triton.language as tl
 
-from .triton_tiles import (LOG2E, autotune, document_args, document_rows, document_tiles, dot_precision, head_blocks,
-                           head_start, key_padding_args, key_walk, launch, load_rows, padding_bounds, position_mask,
-                           query_block, real_keys, sequence, short_walk, store_tile, tile_ranges, walk_rows, walk_tile,
-                           walked)
+from .triton_tiles import (LOG2E, autotune, capped, document_args, document_rows, document_tiles, dot_precision,
+                           head_blocks, head_start, key_padding_args, key_walk, launch, load_rows, padding_bounds,
+                           position_mask, query_block, real_keys, sequence, short_walk, store_tile, tile_ranges,
+                           walk_rows, walk_tile, walked)
 
 
 @triton.jit
@@ -31,9 +31,9 @@ def _log2_lse(lse_ptrs, ok):
 
 @triton.jit
 def _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, row_docs, ids, rows, cols, tile_lo, tile_hi,
-              seqlen_k, before, after, qk_scale, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
+              seqlen_k, before, after, qk_scale, cap, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
               BLOCK_DV: tl.constexpr, MASKED: tl.constexpr, HAS_KEY_PADDING: tl.constexpr,
-              HAS_DOCUMENTS: tl.constexpr, PRECISION: tl.constexpr, OWN_WALK: tl.constexpr):
+              HAS_DOCUMENTS: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, OWN_WALK: tl.constexpr):
     """dQ over key tiles [tile_lo, tile_hi). The backward keeps a loop per kind of tile, unlike the
     forward's ``_attend``: one loop gained on windows, documents and MLA but lost 2-5% on key
     padding and ring steps (BENCHMARKS.md)."""
@@ -43,12 +43,16 @@ def _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, row_docs, ids,
         k = walk_tile(k_rows, start, BLOCK_N, BLOCK_DQK, OWN_WALK)
         v = walk_tile(v_rows, start, BLOCK_N, BLOCK_DV, OWN_WALK)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if SOFTCAP:
+            s, t = capped(s, cap)
         if MASKED:
             s = position_mask(s, rows, keys, seqlen_k, before, after, row_docs, ids, HAS_DOCUMENTS)
         if HAS_KEY_PADDING:
             s = tl.where(real_keys(key_padding, keys, seqlen_k)[None, :], s, float("-inf"))
         p = tl.math.exp2(s * qk_scale - lse[:, None])
         ds = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
+        if SOFTCAP:
+            ds *= 1 - t * t
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
     return dq
 
@@ -65,11 +69,11 @@ def _dq_kernel(Q, K, V, DO, O, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k, KeyPa
                stride_vb, stride_vh, stride_vs, stride_dob, stride_doh, stride_dos,
                stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_ls,
                stride_db, stride_dh, stride_ds, stride_dqb, stride_dqh, stride_dqs,
-               seqlen_q, seqlen_k, group, before, after, qk_scale, scale,
+               seqlen_q, seqlen_k, group, before, after, qk_scale, scale, cap,
                D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                VARLEN: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DOCUMENTS: tl.constexpr,
-               PRECISION: tl.constexpr, SHORT_WALK: tl.constexpr, OWN_WALK: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr):
+               SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, SHORT_WALK: tl.constexpr, OWN_WALK: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     batch, head = tl.program_id(2), tl.program_id(1)
     q_start, seqlen_q, k_start, seqlen_k, real_prefix, first = query_block(cu_seqlens_q, cu_seqlens_k, KeyBounds, batch,
                                                                            seqlen_q, seqlen_k, BLOCK_M, VARLEN,
@@ -100,18 +104,18 @@ def _dq_kernel(Q, K, V, DO, O, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k, KeyPa
     lo, full_lo, plain_hi, full_hi, hi = tiles
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
     dq = _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, row_docs, ids, rows, cols, lo, full_lo,
-                   seqlen_k, before, after, qk_scale, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, HAS_KEY_PADDING,
-                   HAS_DOCUMENTS, PRECISION, OWN_WALK)
+                   seqlen_k, before, after, qk_scale, cap, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, HAS_KEY_PADDING,
+                   HAS_DOCUMENTS, SOFTCAP, PRECISION, OWN_WALK)
     dq = _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, row_docs, ids, rows, cols, full_lo,
-                   plain_hi, seqlen_k, before, after, qk_scale, BLOCK_N, BLOCK_DQK, BLOCK_DV, False, False, False,
-                   PRECISION, OWN_WALK)
+                   plain_hi, seqlen_k, before, after, qk_scale, cap, BLOCK_N, BLOCK_DQK, BLOCK_DV, False, False, False,
+                   SOFTCAP, PRECISION, OWN_WALK)
     if HAS_KEY_PADDING:
         dq = _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, row_docs, ids, rows, cols, plain_hi,
-                       full_hi, seqlen_k, before, after, qk_scale, BLOCK_N, BLOCK_DQK, BLOCK_DV, False, True, False,
-                       PRECISION, OWN_WALK)
+                       full_hi, seqlen_k, before, after, qk_scale, cap, BLOCK_N, BLOCK_DQK, BLOCK_DV, False, True,
+                       False, SOFTCAP, PRECISION, OWN_WALK)
     dq = _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, row_docs, ids, rows, cols, full_hi, hi,
-                   seqlen_k, before, after, qk_scale, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, HAS_KEY_PADDING,
-                   HAS_DOCUMENTS, PRECISION, OWN_WALK)
+                   seqlen_k, before, after, qk_scale, cap, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, HAS_KEY_PADDING,
+                   HAS_DOCUMENTS, SOFTCAP, PRECISION, OWN_WALK)
 
     dq_ptrs = head_start(DQ, batch, head, row, stride_dqb, stride_dqh, stride_dqs)
     dq_ptrs += offs_m[:, None] * stride_dqs + d_qk[None, :]
@@ -120,9 +124,9 @@ def _dq_kernel(Q, K, V, DO, O, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k, KeyPa
 
 @triton.jit
 def _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, key_docs, ids, keys, rows, tile_lo,
-                tile_hi, seqlen_q, before, after, qk_scale, stride_ls, stride_ds, BLOCK_M: tl.constexpr,
+                tile_hi, seqlen_q, before, after, qk_scale, cap, stride_ls, stride_ds, BLOCK_M: tl.constexpr,
                 BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr, HAS_KEY_PADDING: tl.constexpr,
-                HAS_DOCUMENTS: tl.constexpr, PRECISION: tl.constexpr, OWN_WALK: tl.constexpr):
+                HAS_DOCUMENTS: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, OWN_WALK: tl.constexpr):
     """Accumulates into dK, dV over query tiles [tile_lo, tile_hi); scores are kept transposed
     (keys x queries), so ``before`` and ``after`` arrive swapped. ``real``: which keys are real."""
     for tile in range(tile_lo, tile_hi):
@@ -135,6 +139,8 @@ def _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, key_d
         lse = _log2_lse(lse_ptrs + offset * stride_ls, ok)
         delta = tl.load(delta_ptrs + offset * stride_ds, mask=ok, other=0.0)
         s = tl.dot(k, tl.trans(q), input_precision=PRECISION)
+        if SOFTCAP:
+            s, t = capped(s, cap)
         if MASKED:
             s = position_mask(s, keys, queries, seqlen_q, before, after, key_docs, ids, HAS_DOCUMENTS)
         if HAS_KEY_PADDING:
@@ -142,6 +148,8 @@ def _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, key_d
         p = tl.math.exp2(s * qk_scale - lse[None, :])
         dv = tl.dot(p.to(do.dtype), do, dv, input_precision=PRECISION)
         ds = p * (tl.dot(v, tl.trans(do), input_precision=PRECISION) - delta[None, :])
+        if SOFTCAP:
+            ds *= 1 - t * t
         dk = tl.dot(ds.to(q.dtype), q, dk, input_precision=PRECISION)
     return dk, dv
 
@@ -158,11 +166,11 @@ def _dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, cu_seqlens_q, cu_seqlens_k, Ke
                  stride_vb, stride_vh, stride_vs, stride_dob, stride_doh, stride_dos,
                  stride_lb, stride_lh, stride_ls, stride_db, stride_dh, stride_ds,
                  stride_dk_part, stride_dkb, stride_dkh, stride_dks, stride_dv_part, stride_dvb, stride_dvh, stride_dvs,
-                 seqlen_q, seqlen_k, group, parts, before, after, qk_scale, scale,
+                 seqlen_q, seqlen_k, group, parts, before, after, qk_scale, scale, cap,
                  D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                  VARLEN: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DOCUMENTS: tl.constexpr,
-                 PRECISION: tl.constexpr, SHORT_WALK: tl.constexpr, OWN_WALK: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
+                 SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, SHORT_WALK: tl.constexpr, OWN_WALK: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     batch, kv_head, part = tl.program_id(2), tl.program_id(1) // parts, tl.program_id(1) % parts
     q_start, seqlen_q = sequence(cu_seqlens_q, batch, seqlen_q, VARLEN)
     k_start, seqlen_k = sequence(cu_seqlens_k, batch, seqlen_k, VARLEN)
@@ -205,14 +213,14 @@ def _dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, cu_seqlens_q, cu_seqlens_k, Ke
         lse_ptrs = head_start(Lse, batch, head, q_start, stride_lb, stride_lh, stride_ls) + rows * stride_ls
         delta_ptrs = head_start(Delta, batch, head, q_start, stride_db, stride_dh, stride_ds) + rows * stride_ds
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, key_docs, ids, keys, rows,
-                             lo, full_lo, seqlen_q, after, before, qk_scale, stride_ls, stride_ds, BLOCK_M, BLOCK_DQK,
-                             BLOCK_DV, True, HAS_KEY_PADDING, HAS_DOCUMENTS, PRECISION, OWN_WALK)
+                             lo, full_lo, seqlen_q, after, before, qk_scale, cap, stride_ls, stride_ds, BLOCK_M,
+                             BLOCK_DQK, BLOCK_DV, True, HAS_KEY_PADDING, HAS_DOCUMENTS, SOFTCAP, PRECISION, OWN_WALK)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, key_docs, ids, keys, rows,
-                             full_lo, full_hi, seqlen_q, after, before, qk_scale, stride_ls, stride_ds, BLOCK_M,
-                             BLOCK_DQK, BLOCK_DV, False, HAS_KEY_PADDING, False, PRECISION, OWN_WALK)
+                             full_lo, full_hi, seqlen_q, after, before, qk_scale, cap, stride_ls, stride_ds, BLOCK_M,
+                             BLOCK_DQK, BLOCK_DV, False, HAS_KEY_PADDING, False, SOFTCAP, PRECISION, OWN_WALK)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, key_docs, ids, keys, rows,
-                             full_hi, hi, seqlen_q, after, before, qk_scale, stride_ls, stride_ds, BLOCK_M, BLOCK_DQK,
-                             BLOCK_DV, True, HAS_KEY_PADDING, HAS_DOCUMENTS, PRECISION, OWN_WALK)
+                             full_hi, hi, seqlen_q, after, before, qk_scale, cap, stride_ls, stride_ds, BLOCK_M,
+                             BLOCK_DQK, BLOCK_DV, True, HAS_KEY_PADDING, HAS_DOCUMENTS, SOFTCAP, PRECISION, OWN_WALK)
 
     part = tl.cast(part, tl.int64)
     dk_ptrs = head_start(DK + part * stride_dk_part, batch, kv_head, row, stride_dkb, stride_dkh, stride_dks)
@@ -247,9 +255,9 @@ def _packed(grad, varlen):
 
 
 def backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-             scale, before, after, key_padding_mask=None, document_ids=None):
-    """Fills ``dq``, ``dk`` and ``dv`` in place; layouts, ``key_padding_mask`` and
-    ``document_ids`` as in ``triton_forward.forward``."""
+             scale, before, after, key_padding_mask=None, document_ids=None, softcap=0.0):
+    """Fills ``dq``, ``dk`` and ``dv`` in place; layouts, ``key_padding_mask``, ``document_ids``
+    and ``softcap`` as in ``triton_forward.forward``."""
     batch, h_q, s_q = q.shape[:3]
     h_kv = k.shape[1]
     d_qk, d_v = q.shape[-1], v.shape[-1]
@@ -260,7 +268,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, ma
     own = own_walks(varlen, short, head_blocks(d_qk) + head_blocks(d_v) > 256)
     common = dict(D_QK=d_qk, D_V=d_v, BLOCK_DQK=head_blocks(d_qk), BLOCK_DV=head_blocks(d_v), VARLEN=varlen,
                   HAS_KEY_PADDING=key_padding_mask is not None, HAS_DOCUMENTS=document_ids is not None,
-                  PRECISION=dot_precision(q.dtype), SHORT_WALK=short, OWN_WALK=own)
+                  SOFTCAP=softcap > 0, PRECISION=dot_precision(q.dtype), SHORT_WALK=short, OWN_WALK=own)
     mask_args = (*key_padding_args(key_padding_mask), *document_args(document_ids))
     qk_scale = scale * LOG2E.value
 
@@ -272,7 +280,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, ma
         q, walked(k, own), walked(v, own), dout, out, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *mask_args,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *out.stride()[:3],
         *lse.stride(), *delta.stride(), *dq.stride()[:3],
-        max_seqlen_q, max_seqlen_k, group, before, after, qk_scale, scale, **common,
+        max_seqlen_q, max_seqlen_k, group, before, after, qk_scale, scale, softcap / scale, **common,
     )
 
     parts = _group_parts(q.device, group, triton.cdiv(max_seqlen_k, 128) * h_kv * batch)  # 128: the widest key block
@@ -290,7 +298,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, ma
         walked(q, own), k, v, walked(dout, own), lse, delta, dk_parts, dv_parts, cu_seqlens_q, cu_seqlens_k, *mask_args,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *lse.stride(), *delta.stride(),
         dk_parts.stride(0), *dk_parts.stride()[1:4], dv_parts.stride(0), *dv_parts.stride()[1:4],
-        max_seqlen_q, max_seqlen_k, group, parts, before, after, qk_scale, scale, **common,
+        max_seqlen_q, max_seqlen_k, group, parts, before, after, qk_scale, scale, softcap / scale, **common,
     )
     if parts > 1:
         for grad, partial in ((dk, dk_parts), (dv, dv_parts)):

@@ -8,21 +8,22 @@ gives each document's rows.
 A dense call may add a (B, S_k) uint8 key padding mask, nonzero for a real key, with each
 sequence's ``padding_bounds``: key tiles after the last real key are skipped, and tiles before the
 first padded key run without loading the mask. It may also add (B, S) document ids
-(``triton_tiles.document_args``), read on the device.
+(``triton_tiles.document_args``), read on the device. A softcap caps the scores before any
+mask (``triton_tiles.capped``), with the SOFTCAP constexpr, so calls without one compile as before.
 """
 import triton
 import triton.language as tl
 
-from .triton_tiles import (LN2, LOG2E, autotune, document_args, dot_precision, head_blocks, head_start,
+from .triton_tiles import (LN2, LOG2E, autotune, capped, document_args, dot_precision, head_blocks, head_start,
                            key_padding_args, key_walk, launch, load_rows, position_mask, query_block, real_keys,
                            short_walk, store_tile, walk_tile, walked)
 
 
 @triton.jit
 def _attend(acc, row_sum, row_max, q, k_rows, v_rows, key_padding, row_docs, ids, rows, cols, lo, full_lo, plain_hi,
-            full_hi, hi, seqlen_k, before, after, qk_scale, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
+            full_hi, hi, seqlen_k, before, after, qk_scale, cap, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
             BLOCK_DV: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DOCUMENTS: tl.constexpr,
-            PRECISION: tl.constexpr, VARLEN: tl.constexpr):
+            SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, VARLEN: tl.constexpr):
     """Online softmax of the query block over ``key_tiles``' key tiles [lo, hi), in base 2, as one
     loop in which only the tiles that need a mask compute it: the software pipeline fills once.
     A loop per kind of tile ran 7% slower on a 1024 window, which walks few tiles, and 9-12% on
@@ -33,6 +34,8 @@ def _attend(acc, row_sum, row_max, q, k_rows, v_rows, key_padding, row_docs, ids
         k = walk_tile(k_rows, start, BLOCK_N, BLOCK_DQK, VARLEN)
         # scaled inside exp2, where it fuses with the shift (qk_scale > 0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if SOFTCAP:
+            s, _ = capped(s, cap)
         edge = (tile < full_lo) | (tile >= full_hi)
         if edge:
             s = position_mask(s, rows, keys, seqlen_k, before, after, row_docs, ids, HAS_DOCUMENTS)
@@ -62,10 +65,11 @@ def _forward_kernel(Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, KeyPadding, s
                     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
                     stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
                     stride_lb, stride_lh, stride_ls,
-                    seqlen_q, seqlen_k, group, before, after, qk_scale,
+                    seqlen_q, seqlen_k, group, before, after, qk_scale, cap,
                     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                     VARLEN: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DOCUMENTS: tl.constexpr,
-                    PRECISION: tl.constexpr, SHORT_WALK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, SHORT_WALK: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
     batch, head = tl.program_id(2), tl.program_id(1)
     q_start, seqlen_q, k_start, seqlen_k, real_prefix, first = query_block(cu_seqlens_q, cu_seqlens_k, KeyBounds, batch,
                                                                            seqlen_q, seqlen_k, BLOCK_M, VARLEN,
@@ -89,8 +93,9 @@ def _forward_kernel(Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, KeyPadding, s
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     acc, row_sum, row_max = _attend(acc, row_sum, row_max, q, k_rows, v_rows, key_padding, row_docs, ids, rows, cols,
-                                    lo, full_lo, plain_hi, full_hi, hi, seqlen_k, before, after, qk_scale, BLOCK_N,
-                                    BLOCK_DQK, BLOCK_DV, HAS_KEY_PADDING, HAS_DOCUMENTS, PRECISION, VARLEN)
+                                    lo, full_lo, plain_hi, full_hi, hi, seqlen_k, before, after, qk_scale, cap,
+                                    BLOCK_N, BLOCK_DQK, BLOCK_DV, HAS_KEY_PADDING, HAS_DOCUMENTS, SOFTCAP, PRECISION,
+                                    VARLEN)
     seen = row_sum > 0
     row_sum = tl.where(seen, row_sum, 1.0)
     lse = tl.where(seen, (row_max + tl.math.log2(row_sum)) * LN2, float("-inf"))
@@ -102,10 +107,10 @@ def _forward_kernel(Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, KeyPadding, s
 
 
 def forward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, before, after,
-            key_padding_mask=None, document_ids=None):
+            key_padding_mask=None, document_ids=None, softcap=0.0):
     """Fills ``out`` (B, H_q, S_q, d_v) and ``lse`` (B, H_q, S_q) float32 in place;
     ``key_padding_mask`` is None or (B, S_k) bool with a unit last stride; ``document_ids`` None
-    or (B, S) ids of a dense call with S_q == S_k."""
+    or (B, S) ids of a dense call with S_q == S_k; ``softcap`` > 0 caps the scaled scores."""
     batch, h_q = q.shape[:2]
     d_qk, d_v = q.shape[-1], v.shape[-1]
     varlen = cu_seqlens_q is not None
@@ -118,8 +123,8 @@ def forward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
         q, walked(k, varlen), walked(v, varlen), out, lse, cu_seqlens_q, cu_seqlens_k,
         *key_padding_args(key_padding_mask), *document_args(document_ids),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *lse.stride(),
-        max_seqlen_q, max_seqlen_k, h_q // k.shape[1], before, after, scale * LOG2E.value,
+        max_seqlen_q, max_seqlen_k, h_q // k.shape[1], before, after, scale * LOG2E.value, softcap / scale,
         D_QK=d_qk, D_V=d_v, BLOCK_DQK=head_blocks(d_qk), BLOCK_DV=head_blocks(d_v), VARLEN=varlen,
-        HAS_KEY_PADDING=key_padding_mask is not None, HAS_DOCUMENTS=document_ids is not None,
+        HAS_KEY_PADDING=key_padding_mask is not None, HAS_DOCUMENTS=document_ids is not None, SOFTCAP=softcap > 0,
         PRECISION=dot_precision(q.dtype), SHORT_WALK=short_walk(before, after),
     )

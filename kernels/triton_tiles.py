@@ -226,6 +226,14 @@ def store_tile(ptrs, value, rows_ok, cols, D: tl.constexpr, BLOCK_D: tl.constexp
 
 
 @triton.jit
+def capped(s, cap):
+    """(cap * tanh(s / cap), tanh(s / cap)): the scores softcapped, with the tanh whose 1 - tanh²
+    is the cap's slope. ``cap`` is in the units of the unscaled scores (softcap / scale)."""
+    t = 1 - 2 / (1 + tl.math.exp2(s * (2 * LOG2E / cap)))  # tanh, from exp2 as the rest of the kernels
+    return cap * t, t
+
+
+@triton.jit
 def visible(rows, cols, n_cols, before, after):
     """(rows, cols) mask of the pairs that see each other."""
     dist = cols[None, :] - rows[:, None]

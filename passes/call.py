@@ -30,6 +30,7 @@ class AttentionCall:
     window: tuple[int, int] = UNBOUNDED
     key_padding_mask: Optional[Node] = None
     document_ids: Optional[Node] = None
+    softcap: float = 0.0  # scores capped as softcap * tanh(scores / softcap), 0: not capped
     flex_mask: Optional[object] = None  # a flex_mask.FlexMask: the call goes to flex_attention, not the op
     notes: tuple[str, ...] = ()  # what the passes did to the call, or why they did not
 
@@ -80,7 +81,7 @@ def why_invalid(call: AttentionCall) -> Optional[str]:
         check_attention_args(*(hinted_meta(traced[n]) for n in ("q", "k", "v")),
                              None if mask is None else hinted_meta(mask), call.window,
                              None if padding is None else hinted_meta(padding),
-                             None if documents is None else hinted_meta(documents))
+                             None if documents is None else hinted_meta(documents), softcap=call.softcap)
     except ValueError as error:
         return str(error)
     replaced = example_tensor(call.anchor)
@@ -95,14 +96,14 @@ def kernel_of(call: AttentionCall) -> str:
     metas = {name: hinted_meta(example_tensor(node)) for name, node in call.tensors().items()}
     return select_kernel(metas["q"], metas["k"], metas["v"], is_causal=call.is_causal, window=call.window,
                          attn_mask=metas.get("attn_mask"), key_padding_mask=metas.get("key_padding_mask"),
-                         document_ids=metas.get("document_ids"))
+                         document_ids=metas.get("document_ids"), softcap=call.softcap)
 
 
 def emit(graph: Graph, call: AttentionCall) -> None:
     """Insert the op before the anchor and make the anchor's users read its output instead."""
     options = {"window_left": call.window[0], "window_right": call.window[1],
-               "key_padding_mask": call.key_padding_mask, "document_ids": call.document_ids}
-    defaults = {"window_left": -1, "window_right": -1, "key_padding_mask": None, "document_ids": None}
+               "key_padding_mask": call.key_padding_mask, "document_ids": call.document_ids, "softcap": call.softcap}
+    defaults = {"window_left": -1, "window_right": -1, "key_padding_mask": None, "document_ids": None, "softcap": 0.0}
     kwargs = {name: value for name, value in options.items() if value != defaults[name]}
     with graph.inserting_before(call.anchor):
         fused = graph.call_function(

@@ -56,8 +56,8 @@ class FlexAttention:
 
     __name__ = "flex_attention"
 
-    def __init__(self, mask: FlexMask, scale: Optional[float], enable_gqa: bool):
-        self.formula, self.scale, self.enable_gqa = mask.formula, scale, enable_gqa
+    def __init__(self, mask: FlexMask, scale: Optional[float], enable_gqa: bool, softcap: float = 0.0):
+        self.formula, self.scale, self.enable_gqa, self.softcap = mask.formula, scale, enable_gqa, softcap
         self.positions = {node: p for p, node in enumerate(_sources(mask.formula))}
         self.axes = axes_of(mask.formula)
 
@@ -70,7 +70,11 @@ class FlexAttention:
 
         block_mask = create_block_mask(mask_mod, q.shape[0] if B in self.axes else None,
                                        q.shape[1] if H in self.axes else None, q.shape[2], k.shape[2], device=q.device)
-        return flex_attention(q, k, v, block_mask=block_mask, scale=self.scale, enable_gqa=self.enable_gqa)
+        def capped(score, b, h, q_idx, kv_idx):  # flex_attention hands score_mod the scaled scores
+            return self.softcap * torch.tanh(score / self.softcap)
+
+        return flex_attention(q, k, v, score_mod=capped if self.softcap else None, block_mask=block_mask,
+                              scale=self.scale, enable_gqa=self.enable_gqa)
 
 
 def _per_key(element: Gather) -> bool:
@@ -155,7 +159,7 @@ def to_flex(call: AttentionCall, formula, hiding, why_unstructured: Unsupported)
 def emit_flex(graph: Graph, call: AttentionCall) -> None:
     """Insert the flex_attention call before the anchor and make the anchor's users read it."""
     h_q, h_kv = (hinted_shape(example_tensor(n))[1] for n in (call.q, call.k))
-    target = FlexAttention(call.flex_mask, call.scale, enable_gqa=h_q != h_kv)
+    target = FlexAttention(call.flex_mask, call.scale, enable_gqa=h_q != h_kv, softcap=call.softcap)
     with graph.inserting_before(call.anchor):
         out = graph.call_function(target, (call.q, call.k, call.v, *call.flex_mask.data))
     out.meta.update(call.anchor.meta)

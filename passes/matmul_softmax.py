@@ -5,7 +5,8 @@ Pattern, from the value matmul back (brackets: optional; any spelling: ``@``, to
 .matmul; F.softmax, torch.softmax, .softmax; * or .mul, / or .div):
 
     scores = [q * c_q] @ k.transpose(-2, -1)               # or k.mT, k.permute(0, 1, 3, 2)
-    scores = [scores * c | scores / c]                      # c a constant, or torch.full((), c)
+    scores = [scores * c | scores / c]...                   # c a constant, or torch.full((), c)
+    scores = [torch.tanh(scores) * cap]                     # softcapping (Gemma 2), cap > 0
     scores = [scores + mask | scores.masked_fill(cond, NEG) | torch.where(cond, scores, NEG)]
     scores = [scores.float() | scores.to(dtype)]            # an upcast, to float32 or float64
     probs  = softmax(scores, dim=-1 [, dtype=float32])
@@ -14,14 +15,16 @@ Pattern, from the value matmul back (brackets: optional; any spelling: ``@``, to
     out    = probs @ v
 
 Replacement: ``attn_cp.attention(q, k, v, attn_mask, scale=c_q * c)`` (scale 1 when none is
-written), where attn_mask is ``mask`` (additive), ``~cond`` (masked_fill) or ``cond`` (where),
+written; with softcapping ``scale=c_q * c * cap, softcap=cap``: Gemma 2's ``tanh(s / cap) * cap``
+caps the scaled scores s at cap), where attn_mask is ``mask`` (additive), ``~cond`` (masked_fill) or ``cond`` (where),
 and NEG is -inf or a dtype's minimum. Not matched, so left to compile as written: a softmax over
 another axis, anything else between the softmax and the value matmul (a scale after the
 softmax), k not transposed in its last two axes. Matched but left, with the reason: dropout that is
 active, intermediate results used elsewhere (e.g. returned attention weights), masked_fill with
 another value, a scale known only at run time, q, k or the mask modified in place before the value
 matmul (the op reads them there), and scores that reach the softmax through other steps (a mask
-before the scale, score softcapping, an in-place scale, a second bias, a downcast).
+before the scale, a tanh without a positive constant cap, an in-place scale, a second bias, a
+downcast).
 """
 import dataclasses
 import math
@@ -52,6 +55,7 @@ class _Match:
     mask: Optional[Node] = None
     mask_hides: bool = False  # a bool mask that is True at the hidden keys (masked_fill's)
     fill: Optional[float] = None  # what masked_fill or where writes at the hidden keys
+    softcap: float = 0.0  # the cap of softcapped scores (0: none)
     chain: list = dataclasses.field(default_factory=list)  # the nodes between the two matmuls
     first: Optional[Node] = None  # where the pattern first reads q and k (the op reads them at the value matmul)
     reasons: list = dataclasses.field(default_factory=list)  # why the site stays as it is
@@ -103,9 +107,19 @@ def _transposed(kt) -> Optional[Node]:
     return None
 
 
+def _times(a, b):
+    return RUNTIME if RUNTIME in (a, b) else a * b
+
+
 def _scores(node) -> Optional[_Match]:
-    """``[q * c_q] @ k.transpose(-2, -1) [* c]``."""
-    product, scale = _scaled(node)
+    """``[q * c_q] @ k.transpose(-2, -1)``, scaled by constants any number of times (``* c``, ``/ c``)."""
+    product, scale, chain = node, 1.0, [node]
+    while True:
+        inner, factor = _scaled(product)
+        if inner is product:
+            break
+        product, scale = inner, _times(scale, factor)
+        chain.insert(0, product)
     if op_of(product) != "matmul":
         return None
     k = _transposed(argument(product, 1, "other"))
@@ -114,9 +128,32 @@ def _scores(node) -> Optional[_Match]:
         return None
     q, q_scale = _scaled(q_scaled)
     first = q_scaled if q is not q_scaled else product
-    if RUNTIME in (scale, q_scale):
-        return _Match(q, k, chain=[product, node], first=first, reasons=[RUNTIME])
-    return _Match(q, k, scale=scale * q_scale, chain=[product, node], first=first)
+    scale = _times(scale, q_scale)
+    if scale == RUNTIME:
+        return _Match(q, k, chain=chain, first=first, reasons=[RUNTIME])
+    return _Match(q, k, scale=scale, chain=chain, first=first)
+
+
+def _capped(node) -> Optional[_Match]:
+    """``torch.tanh(scores) * cap``: softcapped scores (Gemma 2 writes ``tanh(s / cap) * cap``). The
+    op caps the scaled scores at ``cap``, so its scale is the factor inside the tanh times cap."""
+    outer, cap = _scaled(node)
+    scores = argument(outer, 0, "input") if op_of(outer) == "tanh" else None
+    match = _scores(scores) if isinstance(scores, Node) else None
+    if match is None:
+        return None
+    match.chain = match.chain + [outer, node]
+    if cap == RUNTIME or match.reasons:
+        match.reasons = match.reasons or [RUNTIME]
+    elif cap < 0:
+        match.reasons.append(f"the tanh of the scores is scaled by {cap} < 0, which is no softcap")
+    else:
+        match.scale, match.softcap = match.scale * cap, cap
+    return match
+
+
+def _scores_or_capped(node) -> Optional[_Match]:
+    return _capped(node) or _scores(node)
 
 
 def _masked(node) -> Optional[_Match]:
@@ -124,7 +161,7 @@ def _masked(node) -> Optional[_Match]:
     op = op_of(node)
     if op == "add" and len(node.args) == 2 and not node.kwargs:
         for scores, mask in (node.args, node.args[::-1]):
-            match = _scores(scores) if isinstance(scores, Node) else None
+            match = _scores_or_capped(scores) if isinstance(scores, Node) else None
             if match is not None and example_tensor(mask) is not None:
                 if not example_tensor(mask).dtype.is_floating_point:
                     match.reasons.append(f"the scores are added to {mask.name}, which is not a floating-point mask")
@@ -134,20 +171,20 @@ def _masked(node) -> Optional[_Match]:
         scores, cond, fill = (
             (argument(node, 0, "input"), argument(node, 1, "mask"), argument(node, 2, "value")) if op == "masked_fill"
             else (argument(node, 1, "input"), argument(node, 0, "condition"), argument(node, 2, "other")))
-        match = _scores(scores) if isinstance(scores, Node) else None
+        match = _scores_or_capped(scores) if isinstance(scores, Node) else None
         if match is not None and example_tensor(cond) is not None:
             if fill not in HARD_NEGATIVES:
                 match.reasons.append(f"{op} with {fill}, not -inf or a dtype's minimum: not a mask")
             match.mask, match.mask_hides, match.fill = cond, op == "masked_fill", fill
             match.chain = match.chain + [node]
             return match
-    return _scores(node)
+    return _scores_or_capped(node)
 
 
 def _unmatched_scores(probs: Node) -> Optional[_Match]:
     """A match left with its reason where the softmax input comes from ``q @ k.transpose(-2, -1)``
-    through steps the pattern does not take (score softcapping's tanh, an in-place scale, a second
-    bias, a mask before the scale), each step's first argument being the scores; else None."""
+    through steps the pattern does not take (a tanh without a constant cap, an in-place scale, a
+    second bias, a mask before the scale), each step's first argument being the scores; else None."""
     node, steps = probs, []
     while isinstance(node, Node) and node.op in ("call_function", "call_method") and len(steps) < 8:
         if op_of(node) == "matmul":
@@ -157,7 +194,8 @@ def _unmatched_scores(probs: Node) -> Optional[_Match]:
             names = ", ".join(op_of(n) or getattr(n.target, "__name__", str(n.target)) for n in reversed(steps))
             return _Match(q, k, chain=[node, *steps], first=node,
                           reasons=[f"the scores pass through {names} between the score matmul and the softmax, a form "
-                                   f"the pattern does not take (the fused op has no softcapping or second bias)"])
+                                   f"the pattern does not take (the fused op caps scores only as tanh(s / cap) * cap, "
+                                   f"and takes no second bias)"])
         steps.append(node)
         node = node.args[0] if node.args else None
     return None
@@ -255,8 +293,11 @@ def find(node: Node) -> Union[AttentionCall, Left, None]:
         return Left(node, match.reasons[0], tensors)
     mask = _negated(node, match.mask) if match.mask_hides else match.mask
     notes = ("hand-written softmax attention",)
+    if match.softcap:
+        notes += (f"scores softcapped at {match.softcap:g}",)
     if match.fill is not None:  # the op takes the fill as a bool mask, and a bool mask gives such rows 0
         notes += (empty_row_note(match.fill, how="filling with"),)
     elif match.mask is not None:  # an additive mask: the op gives a row of -inf scores 0, as SDPA does
         notes += (f"a query whose every score is -inf gets 0, where the code as written gives {eager_empty_row(None)}",)
-    return AttentionCall(node, match.q, match.k, match.v, attn_mask=mask, scale=match.scale, notes=notes)
+    return AttentionCall(node, match.q, match.k, match.v, attn_mask=mask, scale=match.scale, softcap=match.softcap,
+                         notes=notes)

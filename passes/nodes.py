@@ -28,7 +28,7 @@ _FUNCTIONS = {
     torch.logical_and: "and", torch.logical_or: "or", torch.logical_not: "not",
     torch.bitwise_and: "and", torch.bitwise_or: "or", torch.bitwise_not: "not",
     torch.where: "where", torch.masked_fill: "masked_fill",
-    torch.tril: "tril", torch.triu: "triu",
+    torch.tril: "tril", torch.triu: "triu", torch.tanh: "tanh", F.tanh: "tanh",
     torch.transpose: "transpose", torch.permute: "permute",
     torch.unsqueeze: "unsqueeze", torch.squeeze: "squeeze", torch.reshape: "reshape", torch.flatten: "flatten",
     torch.repeat_interleave: "repeat_interleave", torch.cumsum: "cumsum", torch.diff: "diff",

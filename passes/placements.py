@@ -64,6 +64,8 @@ def _check_positional_masking(node: Node, a: dict, inputs: str) -> None:
     masking = [name for name in ("attn_mask", "key_padding_mask", "document_ids") if a[name] is not None]
     if a["q_offset"]:
         masking.append(f"q_offset={a['q_offset']}")
+    if a["softcap"]:
+        masking.append(f"softcap={a['softcap']:g}")
     if masking:
         raise MaskNotDistributed(f"attention {node.name} with {inputs} uses {', '.join(masking)}; with sharded q, "
                                  f"k, v only causal, sliding-window or full attention is supported")

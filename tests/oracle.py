@@ -4,13 +4,16 @@ import torch
 
 
 def naive_probs(q, k, *, attn_mask=None, is_causal=False, scale=None, window=(-1, -1), key_padding_mask=None,
-                q_offset=0, k_offset=0):
+                q_offset=0, k_offset=0, softcap=0.0):
     """float64 softmax(q k^T * scale) (B, h_q, S_q, S_k) with repeated KV heads and an explicit S_q x S_k
-    mask; fully masked rows are 0."""
+    mask, the scores capped first as softcap * tanh(scores / softcap) where softcap > 0; fully
+    masked rows are 0."""
     q, k = q.double(), k.double()
     k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     scores = q @ k.transpose(-1, -2) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     i = torch.arange(q.shape[2])[:, None] + q_offset
     j = torch.arange(k.shape[2])[None, :] + k_offset
     visible = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool)

@@ -1,5 +1,6 @@
 """The model benchmark runs end to end on the CPU (--tiny): a table row per measure, all sites
-rewritten (inside activation checkpoints too), with the mask structure each kind of input gives."""
+rewritten (inside activation checkpoints too), with the mask structure each kind of input gives
+(Gemma 2's eager attention with its softcap)."""
 import re
 
 import pytest
@@ -14,7 +15,8 @@ def test_tiny_benchmark_runs(capsys, options, masking):
 
     assert main(["--tiny", "--compiler", "aot_eager", *options]) == 0
     out = capsys.readouterr().out
-    for model, structure in (("llama3-8b", "causal"), ("mistral-7b", "causal \\+ window_left=15")):
+    for model, structure in (("llama3-8b", "causal"), ("mistral-7b", "causal \\+ window_left=15"),
+                             ("gemma2-9b", "causal \\+ window_left=15")):
         for measure in ("attention fwd", "attention fwd\\+bwd", "step fwd\\+bwd"):
             assert re.search(rf"^{model} +1 +32  {measure} +[\d.]+ +[\d.]+ +[\d.]+x$", out, re.M), out
         assert re.search(rf"1 of 1 attention sites rewritten; .*mask -> {structure} \+ {masking}", out), out

@@ -134,6 +134,25 @@ class TestNumerics(TestCase):
         got = torch.compile(attend(mask), backend="attn_cp", options={"inner": "aot_eager"})(q, k, v, ids)
         self.assertLessEqual(rel_err(got, reference(mask, q, k, v, ids)), TOL)
 
+    def test_softcapped_scores(self):
+        """Hand-written softcapping (tanh(s / 2) * 2) with a prefix-LM mask: flex_attention caps the
+        scores in its score_mod."""
+        def softcapped_prefix_lm(q, k, v, ids):
+            i, j = _ij(q.shape[2])
+            k, v = (x.repeat_interleave(4, 1) for x in (k, v))
+            scores = torch.tanh(q @ k.transpose(-2, -1) * 0.25 / 2.0) * 2.0
+            out = scores.masked_fill(~((j <= i) | (j < 4)), float("-inf")).softmax(-1) @ v
+            return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+
+        q, k, v, ids = inputs()
+        _, sites = rewrite(softcapped_prefix_lm, q, k, v, ids)
+        self.assertEqual((sites[0].op, sites[0].notes[1]), ("flex_attention", "scores softcapped at 2"))
+        torch._dynamo.reset()
+        got = torch.compile(softcapped_prefix_lm, backend="attn_cp", options={"inner": "aot_eager"})(q, k, v, ids)
+        i, j = _ij(S)
+        want = naive_attention(q, k, v, attn_mask=(j <= i) | (j < 4), scale=0.25, softcap=2.0)
+        self.assertLessEqual(rel_err(got, want.transpose(1, 2).reshape(2, S, -1)), TOL)
+
     def test_inductor(self):
         for name in ("prefix-LM", "documents bidirectional, causal across"):
             with self.subTest(name):

@@ -74,6 +74,12 @@ def mt_and_division(q, k, v):
     return (q @ k.mT / math.sqrt(q.size(-1))).softmax(-1) @ v
 
 
+def softcapped(q, k, v):
+    """Gemma 2's eager attention: the scaled scores capped at 2 by tanh (Gemma 2's own cap is 50,
+    which scores of these sizes never reach)."""
+    return (torch.tanh(q @ k.transpose(-2, -1) * 0.25 / 2.0) * 2.0).softmax(-1) @ v
+
+
 def _qkv(requires_grad=True):
     torch.manual_seed(0)
     return [torch.randn(2, 4, 24, 16, requires_grad=requires_grad) for _ in range(3)]
@@ -139,6 +145,28 @@ return (getitem)""")
         graph, _ = rewrite(gpt2_legacy, *_qkv(), causal)
         self.assertIn("attn_cp.attention.default(l_q_, l_k_, l_v_, l_causal_, False, 0.25)", graph)
         assert_matches_eager(gpt2_legacy, *_qkv(), causal)
+
+    def test_gemma2_softcapping(self):
+        """tanh(s / cap) * cap of the scaled scores s is the op's softcap; its scale takes the cap's
+        factor back (0.25 / 2 inside the tanh, times 2)."""
+        graph, sites = rewrite(softcapped, *_qkv())
+        self.assertExpectedInline(graph, """\
+l_k_ = input
+l_q_ = input
+l_v_ = input
+attention_default = attn_cp.attention.default(l_q_, l_k_, l_v_, None, False, 0.25, softcap=2.0)
+getitem = getitem(attention_default, 0)
+return (getitem)""")
+        self.assertEqual(sites[0].notes, ["hand-written softmax attention", "scores softcapped at 2"])
+        assert_matches_eager(softcapped, *_qkv())
+
+    def test_a_tanh_without_a_cap_caps_at_1(self):
+        def tanh_only(q, k, v, mask):
+            return (torch.tanh(q @ k.transpose(-2, -1) / 2.0) + mask).softmax(-1) @ v
+
+        graph, _ = rewrite(tanh_only, *_qkv(), _padding_mask())
+        self.assertIn("attn_cp.attention.default(l_q_, l_k_, l_v_, l_mask_, False, 0.5, softcap=1.0)", graph)
+        assert_matches_eager(tanh_only, *_qkv(), _padding_mask())
 
     def test_a_fill_that_gives_rows_without_keys_another_value_is_noted(self):
         """The op gives a query that sees no key 0; the code as written gives it the mean of v (a
@@ -210,11 +238,6 @@ def finite_fill(q, k, v):
     return (q @ k.transpose(-2, -1)).masked_fill(torch.ones(24, 24, dtype=torch.bool).triu(1), -1e4).softmax(-1) @ v
 
 
-def softcapped(q, k, v):
-    """Gemma 2's eager attention: the scores capped at 50 by tanh."""
-    return (torch.tanh(q @ k.transpose(-2, -1) * 0.25 / 50.0) * 50.0).softmax(-1) @ v
-
-
 def scaled_in_place(q, k, v):
     """Falcon's eager attention: ``scores /= sqrt(d)``."""
     scores = q @ k.transpose(-2, -1)
@@ -232,15 +255,14 @@ class TestUnmatchedScores(TestCase):
         q, k, v = _qkv()
         mask = torch.randn(24, 24)
         for fn, args, steps in ((mask_before_scale, (q, k, v, _padding_mask()), "add, mul"),
-                                (softcapped, (q, k, v), "mul, div, tanh, mul"),
                                 (scaled_in_place, (q, k, v), "itruediv"),
                                 (two_biases, (q, k, v, mask), "add, add")):
             with self.subTest(fn.__name__):
                 graph, sites = rewrite(fn, *args)
                 self.assertEqual([(s.rewritten, s.reason) for s in sites],
                                  [(False, f"the scores pass through {steps} between the score matmul and the softmax, "
-                                          f"a form the pattern does not take (the fused op has no softcapping or "
-                                          f"second bias)")])
+                                          f"a form the pattern does not take (the fused op caps scores only as "
+                                          f"tanh(s / cap) * cap, and takes no second bias)")])
                 self.assertIn("softmax", graph)
                 self.assertNotIn("attn_cp", graph)
                 assert_matches_eager(fn, *args)
@@ -248,7 +270,11 @@ class TestUnmatchedScores(TestCase):
 
 class TestLeft(TestCase):
     def test_reasons(self):
+        def negative_cap(q, k, v):
+            return (torch.tanh(q @ k.transpose(-2, -1) * 0.25) * -2.0).softmax(-1) @ v
+
         for fn, reason in ((active_dropout, "dropout p=0.1 while training: the fused op has no dropout"),
+                           (negative_cap, "the tanh of the scores is scaled by -2.0 < 0, which is no softcap"),
                            (weights_returned, "w is also used by matmul_1, output"),
                            (finite_fill, "masked_fill with -10000.0, not -inf or a dtype's minimum: not a mask")):
             with self.subTest(fn.__name__):

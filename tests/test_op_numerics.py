@@ -27,13 +27,13 @@ def _masks(kind, batch, h_q, s_q, s_k):
 
 
 def _check(q, k, v, do, *, attn_mask=None, is_causal=False, scale=None, window=(-1, -1), key_padding_mask=None,
-           document_ids=None):
+           document_ids=None, softcap=0.0):
     out, lse = torch.ops.attn_cp.attention(q, k, v, attn_mask, is_causal, scale, *window, key_padding_mask, 0,
-                                           document_ids)
+                                           document_ids, softcap)
     if document_ids is not None:
         attn_mask = (document_ids[:, :, None] == document_ids[:, None, :]).unsqueeze(1)
     want = naive_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, window=window,
-                           key_padding_mask=key_padding_mask)
+                           key_padding_mask=key_padding_mask, softcap=softcap)
     assert out.shape == (*q.shape[:-1], v.shape[-1]) and lse.shape == q.shape[:-1]
     assert lse.dtype == torch.float32 and out.dtype == q.dtype
     got_grads = torch.autograd.grad(out, (q, k, v), do)
@@ -60,6 +60,21 @@ def test_window(heads, is_causal, window):
     torch.manual_seed(1)
     q, k, v = make_qkv(heads, s_q=48)
     _check(q, k, v, torch.randn(*q.shape[:-1], v.shape[-1]), is_causal=is_causal, window=window)
+
+
+@pytest.mark.parametrize("heads", ["gqa", "gqa_mla"])
+@pytest.mark.parametrize("masking", [dict(is_causal=True), dict(window=(6, 2)), dict(attn_mask="bool"),
+                                     dict(is_causal=True, document_ids="runs")])
+def test_softcap(heads, masking):
+    """Scores capped at 1.5 (scores ~ N(0, 1): the cap bends them), before each kind of mask; the
+    documents run as packed varlen calls."""
+    torch.manual_seed(2)
+    q, k, v = make_qkv(heads, s_q=40)
+    if masking.get("attn_mask") == "bool":
+        masking["attn_mask"] = _masks("bool", 2, q.shape[1], 40, 40)
+    if masking.get("document_ids") == "runs":
+        masking["document_ids"] = DOCUMENTS["contiguous runs"]
+    _check(q, k, v, torch.randn(*q.shape[:-1], v.shape[-1]), softcap=1.5, **masking)
 
 
 @pytest.mark.parametrize("heads", ["gqa", "gqa_mla"])

@@ -9,7 +9,8 @@ from shapes import HEADS, make_qkv
 @pytest.mark.parametrize("heads", list(HEADS))
 @pytest.mark.parametrize("extra", [(None, True, None), (None, False, 0.3, 4, 2), ("bool", False), ("additive", False),
                                    (None, True, None, 3, -1, "key_padding"),
-                                   (None, True, None, -1, -1, None, 0, "documents")])
+                                   (None, True, None, -1, -1, None, 0, "documents"),
+                                   (None, True, 0.3, 5, -1, None, 0, None, 0.8)])  # a softcap
 def test_opcheck_attention(heads, extra):
     torch.manual_seed(0)
     q, k, v = make_qkv(heads, s_q=12)
@@ -32,3 +33,6 @@ def test_opcheck_attention_backward(heads):
     dout = torch.randn_like(out)
     torch.library.opcheck(torch.ops.attn_cp.attention_backward.default,
                           (dout, q, k, v, out, lse, None, True, None, -1, -1, None, 5, None))
+    out, lse = torch.ops.attn_cp.attention(q, k, v, None, True, None, softcap=0.5)
+    torch.library.opcheck(torch.ops.attn_cp.attention_backward.default,
+                          (dout, q, k, v, out, lse, None, True, None, -1, -1, None, 0, None, 0.5))

@@ -162,6 +162,15 @@ def _plain_shards(rank, world):
         got = [unshard_sequence(x.detach(), group, layout=layout) for x in (out, *grads)]
         errors = [rel_err(g, w) for g, w in zip(got, (want, *want_grads))]
         assert max(errors) <= TOL, (strategy, layout, errors)
+    if world == 2:  # the distributed ops take no softcap: an error, not a local attention per rank
+        torch._dynamo.reset()
+        q, k, v = (shard_sequence(x, group) for x in _inputs(0, h_q=2)[:3])
+        with pytest.raises(Exception, match="uses softcap=2; with sharded q, k, v only causal"):
+            torch.compile(softcapped, backend="attn_cp", options={"mesh": group})(q, k, v)
+
+
+def softcapped(q, k, v):
+    return (torch.tanh(q @ k.transpose(-2, -1) * 0.25 / 2.0) * 2.0).softmax(-1) @ v
 
 
 def test_plain_sequence_shards_with_a_mesh_option():

@@ -76,6 +76,8 @@ CASES = {
     "gqa_mla-window": ("gqa_mla", 40, 56, dict(window=(7, 3))),
     "causal-window": ("gqa", 48, 48, dict(is_causal=True, window=(10, -1))),
     "ring-step": ("mla", 24, 40, dict(is_causal=True, q_offset=40, k_offset=16)),  # the diagonal cuts tiles
+    "gqa-causal-softcap": ("gqa", 48, 48, dict(is_causal=True, softcap=1.0)),  # scores ~ N(0, 1): the cap bends them
+    "ring-step-softcap": ("mla", 24, 40, dict(is_causal=True, q_offset=40, k_offset=16, softcap=0.5)),
 }
 
 
@@ -112,6 +114,7 @@ PADDED_CASES = {
     "mla-window": ("mla", 40, 56, dict(window=(7, 3))),
     "gqa_mla-full": ("gqa_mla", 33, 40, {}),
     "ring-step": ("mha", 24, 40, dict(is_causal=True, q_offset=40, k_offset=16)),
+    "gqa_mla-window-softcap": ("gqa_mla", 40, 56, dict(window=(7, 3), softcap=0.7)),
 }
 
 
@@ -230,6 +233,7 @@ DOCUMENT_MASKS = {
     "full": {},
     "causal window": dict(is_causal=True, window=(6, -1)),
     "window": dict(window=(9, 4)),
+    "causal softcap": dict(is_causal=True, softcap=1.2),
 }
 
 
@@ -308,6 +312,7 @@ def _check_varlen(q, k, v, dout, cu_q, cu_k, tol, **masking):
 @pytest.mark.parametrize("lens_q,lens_k,masking", [
     ([1, 17, 30, 5], [1, 17, 30, 5], dict(is_causal=True, window=(6, -1))),
     ([3, 20, 9], [12, 1, 25], dict(window=(4, 8))),
+    ([9, 30, 2], [9, 30, 2], dict(is_causal=True, softcap=0.6)),
 ])
 def test_varlen_documents_are_independent(lens_q, lens_k, masking):
     torch.manual_seed(5)
@@ -381,6 +386,7 @@ def _bad_calls():
         "key_padding_mask": lambda: ta.attention_backward(out, q, k, v, out, lse, scale=1.0,
                                                           key_padding_mask=torch.ones(1, 8, dtype=torch.bool)),
         "scale": lambda: ta.attention_forward(q, k, v, scale=-1.0),
+        "softcap": lambda: ta.attention_backward(out, q, k, v, out, lse, scale=1.0, softcap=float("nan")),
         "document_ids": lambda: ta.attention_forward(q, k, v, scale=1.0, document_ids=torch.zeros(2, 8)),
         "k:": lambda: ta.attention_forward(q[:, :3], k, v, scale=1.0),
         "v:": lambda: ta.attention_forward(q, k, v.half(), scale=1.0),
@@ -470,6 +476,8 @@ GPU_CASES = {
     "d256-full": (1, 4, 4, 300, 300, 256, 256, {}),
     "odd-dims": (1, 4, 4, 256, 333, 96, 80, dict(is_causal=True, window=(50, 20))),
     "unaligned-rows": (2, 4, 2, 200, 260, 20, 12, dict(is_causal=True)),  # 40- and 24-byte rows: copied
+    "gqa-softcap-window": (2, 16, 8, 1000, 1000, 256, 256, dict(is_causal=True, window=(300, -1), softcap=1.5)),
+    "mla-softcap-causal": (1, 8, 8, 900, 900, 192, 128, dict(is_causal=True, softcap=0.8)),
 }
 
 

@@ -54,6 +54,8 @@ CASES = {
                                         torch.zeros(2, 16, dtype=torch.long)),
                                "document_ids cannot be combined with attn_mask; fold the documents into the mask or "
                                "drop the mask"),
+    "softcap": (lambda: (*_qkv(), None, True, None, -1, -1, None, 0, None, -1.0),
+                "softcap must be 0 (no cap) or a finite cap > 0; got -1.0"),
     "head_dim": (lambda: (torch.randn(2, 8, 16, 32), *_qkv()[1:]),
                  "q and k must have the same head dim; got q=32, k=24"),
     "batch": (lambda: (torch.randn(3, 8, 16, 24), *_qkv()[1:]),
