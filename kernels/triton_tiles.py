@@ -24,6 +24,7 @@ MAX_SPAN = 1 << 28  # lengths and |q_offset - k_offset| stay below this, so no i
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
+INTERPRET_TANH = tl.constexpr(INTERPRET)  # ``capped``'s tanh without PTX
 
 
 def autotune(small, large, key, walk_block=None):
@@ -228,8 +229,16 @@ def store_tile(ptrs, value, rows_ok, cols, D: tl.constexpr, BLOCK_D: tl.constexp
 @triton.jit
 def capped(s, cap):
     """(cap * tanh(s / cap), tanh(s / cap)): the scores softcapped, with the tanh whose 1 - tanh²
-    is the cap's slope. ``cap`` is in the units of the unscaled scores (softcap / scale)."""
-    t = 1 - 2 / (1 + tl.math.exp2(s * (2 * LOG2E / cap)))  # tanh, from exp2 as the rest of the kernels
+    is the cap's slope. ``cap`` is in the units of the unscaled scores (softcap / scale). On the
+    GPU the tanh is PTX's tanh.approx.f32, as flash-attn's softcap: one instruction, against an
+    exp2 and a division, which cost the forward 15-30% of its speed (BENCHMARKS.md); bf16 results
+    were as close to float32 either way. The interpreter, which runs no PTX, takes it from exp2."""
+    x = s * (1.0 / cap)
+    if INTERPRET_TANH:
+        t = 1 - 2 / (1 + tl.math.exp2(x * (2 * LOG2E)))
+    else:
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                      pack=1)
     return cap * t, t
 
 

@@ -1,9 +1,13 @@
 """attn_cp.attention against the float64 oracle, forward and dq/dk/dv, fp32 on CPU."""
+import dataclasses
+
 import pytest
 import torch
 
 import attn_compile  # noqa: F401  (registers torch.ops.attn_cp)
 from attn_compile.kernels import reference, select_kernel
+from attn_compile.kernels.aten import Cudnn, Efficient, Flash, FlashVarlen
+from attn_compile.kernels.problem import Problem
 from oracle import naive_attention, rel_err
 from shapes import HEADS, make_qkv
 
@@ -75,6 +79,17 @@ def test_softcap(heads, masking):
     if masking.get("document_ids") == "runs":
         masking["document_ids"] = DOCUMENTS["contiguous runs"]
     _check(q, k, v, torch.randn(*q.shape[:-1], v.shape[-1]), softcap=1.5, **masking)
+
+
+def test_softcap_goes_to_no_aten_kernel():
+    """cuDNN, flash and efficient have no softcap: the dispatch never hands them one, even where
+    they would take the call without it (a Hopper GPU, described)."""
+    q, k, v = (torch.empty(1, 4, 64, 64, dtype=torch.bfloat16, device="meta") for _ in range(3))
+    on_hopper = dict(device_type="cuda", sm=(9, 0))
+    plain = dataclasses.replace(Problem.of(q, k, v, is_causal=True), **on_hopper)
+    capped = dataclasses.replace(Problem.of(q, k, v, is_causal=True, softcap=30.0), **on_hopper)
+    for kernel in (Cudnn, Flash, Efficient, FlashVarlen):
+        assert kernel.supports(plain) and not kernel.supports(capped), kernel.name
 
 
 @pytest.mark.parametrize("heads", ["gqa", "gqa_mla"])

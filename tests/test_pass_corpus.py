@@ -78,7 +78,7 @@ class ALiBi(nn.Module):
 
 
 def softcapped(q, k, v):
-    """Gemma 2's logit softcapping, tanh(s / c) * c: not softmax attention of q and k."""
+    """Gemma 2's logit softcapping, tanh(s / c) * c: the op's softcap."""
     return (2.0 * torch.tanh(q @ k.mT * SCALE / 2.0)).softmax(-1) @ v
 
 
@@ -343,7 +343,7 @@ CORPUS = {
     "mask from other data": Case(mask_from_other_data, 1),
     "alibi, hand-written": Case(ALiBi(causal=False), 1),
     "alibi + causal, sdpa": Case(ALiBi(causal=True), 1),
-    "softcapping": Case(softcapped, 0, lambda: _qkv(spread=3.0)),
+    "softcapping": Case(softcapped, 1, lambda: _qkv(spread=3.0)),
     "keys along dim -2": Case(keys_along_dim_minus_2, 0),
     "5-D": Case(five_dim, 0),
     "scores filled in place": Case(scores_filled_in_place, 0),
