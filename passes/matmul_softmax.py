@@ -16,8 +16,8 @@ Pattern, from the value matmul back (brackets: optional; any spelling: ``@``, to
 
 Replacement: ``attn_cp.attention(q, k, v, attn_mask, scale=c_q * c)`` (scale 1 when none is
 written; with softcapping ``scale=c_q * c * cap, softcap=cap``: Gemma 2's ``tanh(s / cap) * cap``
-caps the scaled scores s at cap), where attn_mask is ``mask`` (additive), ``~cond`` (masked_fill) or ``cond`` (where),
-and NEG is -inf or a dtype's minimum. Not matched, so left to compile as written: a softmax over
+caps the scaled scores s at cap), where attn_mask is ``mask`` (additive), ``~cond``
+(masked_fill) or ``cond`` (where), and NEG is -inf or a dtype's minimum. Not matched, so left to compile as written: a softmax over
 another axis, anything else between the softmax and the value matmul (a scale after the
 softmax), k not transposed in its last two axes. Matched but left, with the reason: dropout that is
 active, intermediate results used elsewhere (e.g. returned attention weights), masked_fill with
