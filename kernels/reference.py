@@ -54,9 +54,9 @@ class _Blocks:
 
     def scores(self, q_rows, k_blk, start, end, vis):
         """(scores, slope): scaled, capped and masked scores (B, h_kv, g, S_q, blk) in the
-        accumulation dtype, and the derivative of the cap (1 - tanh², or 1 without one)."""
+        accumulation dtype, and the derivative of the cap (1 - tanh²; None without a cap)."""
         s = (q_rows @ k_blk.transpose(-1, -2)).unflatten(2, (self.g, self.s_q)) * self.scale
-        slope = 1.0
+        slope = None
         if self.softcap:
             capped = torch.tanh(s / self.softcap)
             s, slope = self.softcap * capped, 1 - capped * capped
@@ -117,7 +117,10 @@ def attention_backward(dout, q, k, v, out, lse, *, scale, is_causal=False, windo
         s, slope = blocks.scores(q_rows, k_blk, start, end, vis)
         p = torch.exp(s - lse5[..., None])
         dp = (do_rows @ v_blk.transpose(-1, -2)).unflatten(2, (g, s_q))
-        ds = (p * (dp - delta[..., None]) * slope).flatten(2, 3) * scale
+        ds = p * (dp - delta[..., None])
+        if slope is not None:
+            ds = ds * slope
+        ds = ds.flatten(2, 3) * scale
         p = p.flatten(2, 3)
         dv[:, :, start:end] = p.transpose(-1, -2) @ do_rows
         dk[:, :, start:end] = ds.transpose(-1, -2) @ q_rows
