@@ -15,12 +15,18 @@ no attention mask. Measured, as medians of ``triton.testing.do_bench``:
   bool mask; Gemma 2: its eager attention function) on (B, H, S, D) q, k, v laid out as the
   model's projections give them (transposed (B, S, H, D) memory), forward and forward+backward;
 - step: the whole stack, forward and backward of a mean-square loss of its output (with
-  ``--checkpointing``, each layer in an activation checkpoint, recomputed in the backward).
+  ``--checkpointing``, each layer in an activation checkpoint, recomputed in the backward), and
+  on the GPU its peak memory.
+
+Each side, and each side's step, starts from freed memory: without it (and with one timed sample
+of a step), the Gemma 2 step at S = 8192, whose baseline peaks at 73 of 80 GB, measured 2x slower
+on both sides.
 
 ``--tiny`` runs small one-layer shapes on the CPU with a wall-clock median instead: a smoke test. transformers
 and triton are imported only when a benchmark runs.
 """
 import argparse
+import gc
 import statistics
 import time
 from typing import Callable
@@ -106,7 +112,14 @@ def _timer(device) -> Callable[[Callable], float]:
     if device.type == "cuda":
         from triton.testing import do_bench
 
-        return lambda fn: do_bench(fn, return_mode="median")
+        def at_least_ten(fn):  # do_bench's default 100 ms of repetitions is one sample of a 200 ms step
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return do_bench(fn, rep=max(100, 10 * start.elapsed_time(end)), return_mode="median")
+        return at_least_ten
 
     def wall_clock_median(fn, repeats=5):
         times = []
@@ -118,8 +131,18 @@ def _timer(device) -> Callable[[Callable], float]:
     return wall_clock_median
 
 
+def _free(device) -> None:
+    """Returns what the caching allocator holds to the GPU and restarts its peak count."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def _measure(compile_fn, model, dims: dict, masking: dict, device, dtype, timer) -> dict:
-    """Milliseconds of attention fwd, attention fwd+bwd and the step, for one way of compiling."""
+    """Milliseconds of attention fwd, attention fwd+bwd and the step, for one way of compiling,
+    and on the GPU the step's peak memory in GB."""
+    _free(device)
     torch.manual_seed(0)
     heads, kv_heads = dims["num_attention_heads"], dims["num_key_value_heads"]
     head_dim = dims.get("head_dim", dims["hidden_size"] // heads)
@@ -142,8 +165,12 @@ def _measure(compile_fn, model, dims: dict, masking: dict, device, dtype, timer)
             "step fwd+bwd": step}
     times = {}
     for measure, run in runs.items():
+        if measure == "step fwd+bwd":
+            _free(device)
         run()  # compiles
         times[measure] = timer(run)
+    if device.type == "cuda":
+        times["step peak GB"] = torch.cuda.max_memory_allocated(device) / 1e9
     return times
 
 
@@ -175,7 +202,8 @@ def main(argv=None) -> int:
                                torch.compile(fn, backend="attn_cp", options={"inner": args.compiler})),
     }
     print(f"batch {BATCH}, {dtype}, {device}, inputs {args.inputs}, checkpointing {args.checkpointing}, "
-          f"mode {args.mode}; times in ms (medians)")
+          f"mode {args.mode}; times in ms (medians), the step's peak memory in GB; the last column is "
+          f"{args.compiler} / attn_cp")
     print(f"{'model':<12}{'layers':>7}{'S':>6}  {'measure':<20}{args.compiler:>12}{'attn_cp':>12}{'speedup':>9}")
     for name in args.models:
         dims = shapes[name]
