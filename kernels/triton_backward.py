@@ -18,8 +18,8 @@ import triton.language as tl
 
 from .triton_tiles import (LOG2E, autotune, capped, document_args, document_rows, document_tiles, dot_precision,
                            head_blocks, head_start, key_padding_args, key_walk, launch, load_rows, padding_bounds,
-                           position_mask, query_block, real_keys, sequence, short_walk, store_tile, tile_ranges,
-                           walk_rows, walk_tile, walked)
+                           position_mask, query_block, real_keys, seq_bucket, sequence, short_walk, store_tile,
+                           tile_ranges, walk_rows, walk_tile, walked)
 
 
 @triton.jit
@@ -70,7 +70,7 @@ def _dq_kernel(Q, K, V, DO, O, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k, KeyPa
                stride_vb, stride_vh, stride_vs, stride_dob, stride_doh, stride_dos,
                stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_ls,
                stride_db, stride_dh, stride_ds, stride_dqb, stride_dqh, stride_dqs,
-               seqlen_q, seqlen_k, group, before, after, qk_scale, scale, cap,
+               seqlen_q, seqlen_k, group, before, after, qk_scale, scale, cap, seq_bucket,
                D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                VARLEN: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DOCUMENTS: tl.constexpr,
                SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, SHORT_WALK: tl.constexpr, OWN_WALK: tl.constexpr,
@@ -168,7 +168,7 @@ def _dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, cu_seqlens_q, cu_seqlens_k, Ke
                  stride_vb, stride_vh, stride_vs, stride_dob, stride_doh, stride_dos,
                  stride_lb, stride_lh, stride_ls, stride_db, stride_dh, stride_ds,
                  stride_dk_part, stride_dkb, stride_dkh, stride_dks, stride_dv_part, stride_dvb, stride_dvh, stride_dvs,
-                 seqlen_q, seqlen_k, group, parts, before, after, qk_scale, scale, cap,
+                 seqlen_q, seqlen_k, group, parts, before, after, qk_scale, scale, cap, seq_bucket,
                  D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                  VARLEN: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DOCUMENTS: tl.constexpr,
                  SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, SHORT_WALK: tl.constexpr, OWN_WALK: tl.constexpr,
@@ -270,7 +270,8 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, ma
     own = own_walks(varlen, short, head_blocks(d_qk) + head_blocks(d_v) > 256)
     common = dict(D_QK=d_qk, D_V=d_v, BLOCK_DQK=head_blocks(d_qk), BLOCK_DV=head_blocks(d_v), VARLEN=varlen,
                   HAS_KEY_PADDING=key_padding_mask is not None, HAS_DOCUMENTS=document_ids is not None,
-                  SOFTCAP=softcap > 0, PRECISION=dot_precision(q.dtype), SHORT_WALK=short, OWN_WALK=own)
+                  SOFTCAP=softcap > 0, PRECISION=dot_precision(q.dtype), SHORT_WALK=short, OWN_WALK=own,
+                  seq_bucket=seq_bucket(max_seqlen_q, max_seqlen_k))
     mask_args = (*key_padding_args(key_padding_mask), *document_args(document_ids))
     qk_scale = scale * LOG2E.value
 

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from .triton_tiles import (LN2, LOG2E, autotune, capped, document_args, dot_precision, head_blocks, head_start,
                            key_padding_args, key_walk, launch, load_rows, position_mask, query_block, real_keys,
-                           short_walk, store_tile, walk_tile, walked)
+                           seq_bucket, short_walk, store_tile, walk_tile, walked)
 
 
 @triton.jit
@@ -65,7 +65,7 @@ def _forward_kernel(Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, KeyPadding, s
                     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
                     stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
                     stride_lb, stride_lh, stride_ls,
-                    seqlen_q, seqlen_k, group, before, after, qk_scale, cap,
+                    seqlen_q, seqlen_k, group, before, after, qk_scale, cap, seq_bucket,
                     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                     VARLEN: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DOCUMENTS: tl.constexpr,
                     SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, SHORT_WALK: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -124,6 +124,7 @@ def forward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
         *key_padding_args(key_padding_mask), *document_args(document_ids),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *lse.stride(),
         max_seqlen_q, max_seqlen_k, h_q // k.shape[1], before, after, scale * LOG2E.value, softcap / scale,
+        seq_bucket=seq_bucket(max_seqlen_q, max_seqlen_k),
         D_QK=d_qk, D_V=d_v, BLOCK_DQK=head_blocks(d_qk), BLOCK_DV=head_blocks(d_v), VARLEN=varlen,
         HAS_KEY_PADDING=key_padding_mask is not None, HAS_DOCUMENTS=document_ids is not None, SOFTCAP=softcap > 0,
         PRECISION=dot_precision(q.dtype), SHORT_WALK=short_walk(before, after),

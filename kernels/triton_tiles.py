@@ -36,10 +36,10 @@ def autotune(small, large, key, walk_block=None):
     configuration alone instead of a tuning run over all of them. One small configuration
     when interpreting, so the CPU tests cross several tiles. The kernel's first argument must be
     Q (a tensor or its ``walked`` descriptor), and it takes the PRECISION and SHORT_WALK
-    constexprs, which join the key. ``walk_block``: the tile rows of its walk; each configuration
-    sets the block shapes of the ``walked`` descriptors among its arguments before it runs
-    (``launch`` does it for a pick)."""
-    key = [*key, "PRECISION", "SHORT_WALK"]
+    constexprs and the ``seq_bucket`` int, which join the key. ``walk_block``: the tile rows of
+    its walk; each configuration sets the block shapes of the ``walked`` descriptors among its
+    arguments before it runs (``launch`` does it for a pick)."""
+    key = [*key, "PRECISION", "SHORT_WALK", "seq_bucket"]
 
     def set_block_shapes(nargs):
         shape_walks(nargs.values(), nargs[walk_block])
@@ -116,6 +116,15 @@ def dot_precision(dtype: torch.dtype) -> str:
     torch.matmul does: IEEE float32 at "highest" (PyTorch's default), TF32 otherwise. Other
     dtypes are unaffected."""
     return "ieee" if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+def seq_bucket(max_seqlen_q: int, max_seqlen_k: int) -> int:
+    """The longer sequence rounded up to a power of two (at least 16), an autotuning key that
+    the kernels take as an int and do not read. Without it, tiles tuned on a short first call
+    were kept for every length: after S=256, GQA+MLA's forward at 4096 ran 12% slower and the
+    backwards 3-4% (BENCHMARKS.md). Powers of two of 16 or more compile to the same kernel, so
+    a new bucket re-times the configurations (1.5-2.6 s) without compiling them again."""
+    return max(16, triton.next_power_of_2(max(max_seqlen_q, max_seqlen_k)))
 
 
 def short_walk(before: int, after: int) -> bool:

@@ -26,7 +26,8 @@ from attn_compile.kernels.documents import same_document_mask  # noqa: E402
 from attn_compile.kernels.problem import Problem  # noqa: E402
 from attn_compile.kernels.triton_backward import _dkdv_kernel, _dq_kernel  # noqa: E402
 from attn_compile.kernels.triton_forward import _forward_kernel  # noqa: E402
-from attn_compile.kernels.triton_tiles import document_args, dot_precision, key_padding_args, short_walk  # noqa: E402
+from attn_compile.kernels.triton_tiles import (_PICKS, document_args, dot_precision, key_padding_args,  # noqa: E402
+                                               seq_bucket, short_walk)
 from oracle import naive_attention, rel_err  # noqa: E402
 from shapes import make_qkv  # noqa: E402
 
@@ -458,6 +459,19 @@ def test_windows_are_tuned_apart_from_long_walks():
     assert not walk(False, (4096, 0))
     for kernel in (_forward_kernel, _dq_kernel, _dkdv_kernel):
         assert {"PRECISION", "SHORT_WALK"} <= set(kernel.keys), kernel
+
+
+def test_lengths_are_tuned_by_powers_of_two():
+    """Tiles tuned on a short first call are not kept for long ones: the longer sequence, rounded
+    up to a power of two, is part of every kernel's autotuning key."""
+    assert [seq_bucket(s_q, s_k) for s_q, s_k in ((1, 1), (16, 3), (17, 16), (100, 300), (4097, 8))] == \
+        [16, 16, 32, 512, 8192]
+    for s_q, s_k in ((20, 20), (40, 24), (12, 60)):
+        q, k, v = make_qkv("gqa", batch=1, s_q=s_q, s_k=s_k, device=DEVICE)
+        _run(q, k, v, torch.randn(1, q.shape[1], s_q, v.shape[-1], device=DEVICE), scale=0.5)
+    for kernel in (_forward_kernel, _dq_kernel, _dkdv_kernel):
+        at = 1 + kernel.keys.index("seq_bucket")  # a pick's key: the kernel, then its autotuning key
+        assert {32, 64} <= {key[at] for key in _PICKS if key[0] is kernel}, kernel
 
 
 def _poison_free_memory():
