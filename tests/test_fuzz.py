@@ -1,5 +1,6 @@
 """Differential fuzzing against the float64 oracle: ``attn_cp.attention`` on hypothesis-drawn shapes,
-masks and options, and every context-parallel strategy on seeded random configurations.
+masks (tensor, causal, window, key padding, at query offsets) and softcaps, and every
+context-parallel strategy on seeded random configurations.
 
 The draws are derandomized, so every run tries the same cases; ``ATTN_CP_FUZZ_EXAMPLES=N`` tries
 at least N of each (local op and CP per world size). A case the fuzzer finds failing belongs in
@@ -51,6 +52,9 @@ def local_cases(draw):
         hidden_rows=draw(st.integers(0, 3)),  # rows the mask hides entirely (every key False or -inf)
         scale=draw(st.sampled_from([None, scale])),
         dtype=draw(st.sampled_from(["float32", "float64"])),
+        softcap=draw(st.sampled_from([0.0, draw(st.floats(0.3, 5.0))])),
+        key_padding=draw(st.booleans()),  # a random (B, S_k) key_padding_mask, some rows left with no key
+        q_offset=draw(st.sampled_from([0, draw(st.integers(-10, 40))])),
         seed=draw(st.integers(0, 2 ** 31 - 1)),
     )
 
@@ -79,26 +83,31 @@ def random_qkv(case, gen, s_q, s_k):
 
 
 def local_inputs(case):
-    """q, k, v (leaves that require grad), attn_mask or None, dout: random, from the case's seed."""
+    """q, k, v (leaves that require grad), attn_mask or None, key_padding_mask or None, dout:
+    random, from the case's seed."""
     gen = torch.Generator().manual_seed(case["seed"])
     q, k, v, dout = random_qkv(case, gen, case["s_q"], case["s_k"])
     mask = _mask(case, gen) if case["mask"] else None
-    return [x.requires_grad_() for x in (q, k, v)], mask, dout
+    padding = torch.rand(case["batch"], case["s_k"], generator=gen) < 0.8 if case["key_padding"] else None
+    return [x.requires_grad_() for x in (q, k, v)], mask, padding, dout
 
 
 def check_local_case(case):
     """The op's output and gradients against the float64 oracle on the case's inputs."""
-    (q, k, v), mask, dout = local_inputs(case)
-    out, lse = torch.ops.attn_cp.attention(q, k, v, mask, case["is_causal"], case["scale"], *case["window"])
+    (q, k, v), mask, padding, dout = local_inputs(case)
+    out, lse = torch.ops.attn_cp.attention(q, k, v, mask, case["is_causal"], case["scale"], *case["window"], padding,
+                                           case["q_offset"], None, case["softcap"])
     assert lse.shape == out.shape[:-1] and not lse.isnan().any()
     got = [out, *torch.autograd.grad(out, (q, k, v), dout)]
     problems = oracle_problems(got, q, k, v, dout, tol=TOL[q.dtype], attn_mask=mask, is_causal=case["is_causal"],
-                               scale=case["scale"], window=case["window"])
+                               scale=case["scale"], window=case["window"], key_padding_mask=padding,
+                               q_offset=case["q_offset"], softcap=case["softcap"])
     assert not problems, "; ".join(problems)
 
 
 _CORNER = dict(batch=1, h_kv=1, h_q=1, d_qk=8, d_v=8, is_causal=True, window=(-1, -1), mask=None,
-               mask_axes=(False, False, True, True), mask_rank=2, hidden_rows=0, scale=None, dtype="float32", seed=1)
+               mask_axes=(False, False, True, True), mask_rank=2, hidden_rows=0, scale=None, dtype="float32",
+               softcap=0.0, key_padding=False, q_offset=0, seed=1)
 
 
 @FUZZ

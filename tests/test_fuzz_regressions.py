@@ -7,7 +7,8 @@ instead (oracle.magnitudes). These cases keep that check honest where it matters
 from test_fuzz import check_local_case
 
 _CASE = dict(batch=1, h_kv=1, h_q=1, d_qk=8, d_v=8, is_causal=False, window=(-1, -1), mask=None,
-             mask_axes=(False, False, False, False), mask_rank=2, hidden_rows=0, scale=None, dtype="float32")
+             mask_axes=(False, False, False, False), mask_rank=2, hidden_rows=0, scale=None, dtype="float32",
+             softcap=0.0, key_padding=False, q_offset=0)
 
 
 def test_one_query_two_keys_gradients_cancel():
