@@ -6,7 +6,8 @@ given LSE (which may merge several calls, so each call gets exactly its share):
 - ``_dkdv_kernel``: one program per (key block, KV head, sequence) walks the query tiles of
   every query head in its group, so dK and dV are summed over the group without atomics.
   When a few KV heads would leave the GPU idle, the group is split over several programs
-  whose float32 partial sums are added afterwards.
+  whose float32 partial sums are added afterwards. For the widest heads, dK and dV each get
+  a launch of their own (``split_grads``).
 
 Layouts, the key padding mask, the document ids and the softcap are those of triton_forward.py;
 the tiles a loop walks come through tensor descriptors, its own or the host's (``own_walks``).
@@ -127,9 +128,11 @@ def _dq_kernel(Q, K, V, DO, O, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k, KeyPa
 def _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, key_docs, ids, keys, rows, tile_lo,
                 tile_hi, seqlen_q, before, after, qk_scale, cap, stride_ls, stride_ds, BLOCK_M: tl.constexpr,
                 BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr, HAS_KEY_PADDING: tl.constexpr,
-                HAS_DOCUMENTS: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, OWN_WALK: tl.constexpr):
-    """Accumulates into dK, dV over query tiles [tile_lo, tile_hi); scores are kept transposed
-    (keys x queries), so ``before`` and ``after`` arrive swapped. ``real``: which keys are real."""
+                HAS_DOCUMENTS: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, OWN_WALK: tl.constexpr,
+                DK: tl.constexpr, DV: tl.constexpr):
+    """Accumulates into dK (if DK) and dV (if DV) over query tiles [tile_lo, tile_hi); scores are
+    kept transposed (keys x queries), so ``before`` and ``after`` arrive swapped. ``real``: which
+    keys are real."""
     for tile in range(tile_lo, tile_hi):
         start = tile * BLOCK_M
         queries = start + rows
@@ -138,7 +141,6 @@ def _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, key_d
         q = walk_tile(q_rows, start, BLOCK_M, BLOCK_DQK, OWN_WALK)
         do = walk_tile(do_rows, start, BLOCK_M, BLOCK_DV, OWN_WALK)
         lse = _log2_lse(lse_ptrs + offset * stride_ls, ok)
-        delta = tl.load(delta_ptrs + offset * stride_ds, mask=ok, other=0.0)
         s = tl.dot(k, tl.trans(q), input_precision=PRECISION)
         if SOFTCAP:
             s, t = capped(s, cap)
@@ -147,11 +149,14 @@ def _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, key_d
         if HAS_KEY_PADDING:
             s = tl.where(real[:, None], s, float("-inf"))
         p = tl.math.exp2(s * qk_scale - lse[None, :])
-        dv = tl.dot(p.to(do.dtype), do, dv, input_precision=PRECISION)
-        ds = p * (tl.dot(v, tl.trans(do), input_precision=PRECISION) - delta[None, :])
-        if SOFTCAP:
-            ds *= 1 - t * t
-        dk = tl.dot(ds.to(q.dtype), q, dk, input_precision=PRECISION)
+        if DV:
+            dv = tl.dot(p.to(do.dtype), do, dv, input_precision=PRECISION)
+        if DK:
+            delta = tl.load(delta_ptrs + offset * stride_ds, mask=ok, other=0.0)
+            ds = p * (tl.dot(v, tl.trans(do), input_precision=PRECISION) - delta[None, :])
+            if SOFTCAP:
+                ds *= 1 - t * t
+            dk = tl.dot(ds.to(q.dtype), q, dk, input_precision=PRECISION)
     return dk, dv
 
 
@@ -159,10 +164,10 @@ def _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, key_d
     small=[(32, 64, 4, 4), (32, 64, 4, 3), (64, 128, 8, 2), (32, 128, 8, 3)],
     large=[(32, 128, 8, 2), (32, 128, 8, 3), (16, 64, 4, 3), (64, 128, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2),
            (32, 64, 4, 2), (16, 64, 8, 2), (64, 64, 8, 3)],
-    key=["BLOCK_DQK", "BLOCK_DV"], walk_block="BLOCK_M",
+    key=["BLOCK_DQK", "BLOCK_DV", "DK", "DV"], walk_block="BLOCK_M",
 )
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, cu_seqlens_q, cu_seqlens_k, KeyPadding, stride_kpb, KeyBounds,
+def _dkdv_kernel(Q, K, V, DO, Lse, Delta, GradK, GradV, cu_seqlens_q, cu_seqlens_k, KeyPadding, stride_kpb, KeyBounds,
                  Ids, stride_idb, Spans, Runs,
                  stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
                  stride_vb, stride_vh, stride_vs, stride_dob, stride_doh, stride_dos,
@@ -172,7 +177,7 @@ def _dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, cu_seqlens_q, cu_seqlens_k, Ke
                  D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                  VARLEN: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DOCUMENTS: tl.constexpr,
                  SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, SHORT_WALK: tl.constexpr, OWN_WALK: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     batch, kv_head, part = tl.program_id(2), tl.program_id(1) // parts, tl.program_id(1) % parts
     q_start, seqlen_q = sequence(cu_seqlens_q, batch, seqlen_q, VARLEN)
     k_start, seqlen_k = sequence(cu_seqlens_k, batch, seqlen_k, VARLEN)
@@ -216,21 +221,25 @@ def _dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, cu_seqlens_q, cu_seqlens_k, Ke
         delta_ptrs = head_start(Delta, batch, head, q_start, stride_db, stride_dh, stride_ds) + rows * stride_ds
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, key_docs, ids, keys, rows,
                              lo, full_lo, seqlen_q, after, before, qk_scale, cap, stride_ls, stride_ds, BLOCK_M,
-                             BLOCK_DQK, BLOCK_DV, True, HAS_KEY_PADDING, HAS_DOCUMENTS, SOFTCAP, PRECISION, OWN_WALK)
+                             BLOCK_DQK, BLOCK_DV, True, HAS_KEY_PADDING, HAS_DOCUMENTS, SOFTCAP, PRECISION, OWN_WALK,
+                             DK, DV)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, key_docs, ids, keys, rows,
                              full_lo, full_hi, seqlen_q, after, before, qk_scale, cap, stride_ls, stride_ds, BLOCK_M,
-                             BLOCK_DQK, BLOCK_DV, False, HAS_KEY_PADDING, False, SOFTCAP, PRECISION, OWN_WALK)
+                             BLOCK_DQK, BLOCK_DV, False, HAS_KEY_PADDING, False, SOFTCAP, PRECISION, OWN_WALK, DK, DV)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, key_docs, ids, keys, rows,
                              full_hi, hi, seqlen_q, after, before, qk_scale, cap, stride_ls, stride_ds, BLOCK_M,
-                             BLOCK_DQK, BLOCK_DV, True, HAS_KEY_PADDING, HAS_DOCUMENTS, SOFTCAP, PRECISION, OWN_WALK)
+                             BLOCK_DQK, BLOCK_DV, True, HAS_KEY_PADDING, HAS_DOCUMENTS, SOFTCAP, PRECISION, OWN_WALK,
+                             DK, DV)
 
     part = tl.cast(part, tl.int64)
-    dk_ptrs = head_start(DK + part * stride_dk_part, batch, kv_head, row, stride_dkb, stride_dkh, stride_dks)
-    store_tile(dk_ptrs + offs_n[:, None] * stride_dks + d_qk[None, :], (dk * scale).to(DK.dtype.element_ty),
-               keys_ok, d_qk, D_QK, BLOCK_DQK)
-    dv_ptrs = head_start(DV + part * stride_dv_part, batch, kv_head, row, stride_dvb, stride_dvh, stride_dvs)
-    store_tile(dv_ptrs + offs_n[:, None] * stride_dvs + d_v[None, :], dv.to(DV.dtype.element_ty),
-               keys_ok, d_v, D_V, BLOCK_DV)
+    if DK:
+        dk_ptrs = head_start(GradK + part * stride_dk_part, batch, kv_head, row, stride_dkb, stride_dkh, stride_dks)
+        store_tile(dk_ptrs + offs_n[:, None] * stride_dks + d_qk[None, :], (dk * scale).to(GradK.dtype.element_ty),
+                   keys_ok, d_qk, D_QK, BLOCK_DQK)
+    if DV:
+        dv_ptrs = head_start(GradV + part * stride_dv_part, batch, kv_head, row, stride_dvb, stride_dvh, stride_dvs)
+        store_tile(dv_ptrs + offs_n[:, None] * stride_dvs + d_v[None, :], dv.to(GradV.dtype.element_ty),
+                   keys_ok, d_v, D_V, BLOCK_DV)
 
 
 def own_walks(varlen, short, wide):
@@ -240,6 +249,15 @@ def own_walks(varlen, short, wide):
     There the host's were 2-6% faster; on long walks they cost up to 9%, and wide tiles lost on
     a window too (GQA+MLA 192/128: 3%; BENCHMARKS.md)."""
     return varlen or not short or wide
+
+
+def split_grads(d_qk, d_v):
+    """Whether dK and dV come from two launches of ``_dkdv_kernel``, each with one float32
+    accumulator, rather than one launch with both: where both head tiles are 256 wide. There the
+    two accumulators crowd the registers, and the split's extra score recomputation pays: H100,
+    backward 1.23x faster on Gemma 2's d256 window with a softcap, 1.09x on d256 causal; with a
+    256 + 128 tile (MLA 192/128) it lost 8-15%, and on d128 17-20% (BENCHMARKS.md)."""
+    return head_blocks(d_qk) + head_blocks(d_v) > 384
 
 
 def _group_parts(device, group, programs):
@@ -296,13 +314,16 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, ma
     def dkdv_grid(meta):
         return triton.cdiv(max_seqlen_k, meta["BLOCK_N"]), h_kv * parts, batch
 
-    launch(
-        _dkdv_kernel, dkdv_grid, q.device,
-        walked(q, own), k, v, walked(dout, own), lse, delta, dk_parts, dv_parts, cu_seqlens_q, cu_seqlens_k, *mask_args,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *lse.stride(), *delta.stride(),
-        dk_parts.stride(0), *dk_parts.stride()[1:4], dv_parts.stride(0), *dv_parts.stride()[1:4],
-        max_seqlen_q, max_seqlen_k, group, parts, before, after, qk_scale, scale, softcap / scale, **common,
-    )
+    for grads in ({"DK": True, "DV": False}, {"DK": False, "DV": True}) if split_grads(d_qk, d_v) else \
+            ({"DK": True, "DV": True},):
+        launch(
+            _dkdv_kernel, dkdv_grid, q.device,
+            walked(q, own), k, v, walked(dout, own), lse, delta, dk_parts, dv_parts, cu_seqlens_q, cu_seqlens_k,
+            *mask_args, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *lse.stride(),
+            *delta.stride(), dk_parts.stride(0), *dk_parts.stride()[1:4], dv_parts.stride(0), *dv_parts.stride()[1:4],
+            max_seqlen_q, max_seqlen_k, group, parts, before, after, qk_scale, scale, softcap / scale, **common,
+            **grads,
+        )
     if parts > 1:
         for grad, partial in ((dk, dk_parts), (dv, dv_parts)):
             rows = _packed(grad, varlen)

@@ -21,7 +21,7 @@ if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton", reason="the Triton kernels need the triton package")
 
-from attn_compile.kernels import reference, triton_attention as ta  # noqa: E402
+from attn_compile.kernels import reference, triton_attention as ta, triton_backward  # noqa: E402
 from attn_compile.kernels.documents import same_document_mask  # noqa: E402
 from attn_compile.kernels.problem import Problem  # noqa: E402
 from attn_compile.kernels.triton_backward import _dkdv_kernel, _dq_kernel  # noqa: E402
@@ -87,6 +87,20 @@ def test_matches_oracle(case):
     torch.manual_seed(0)
     heads, s_q, s_k, masking = CASES[case]
     _check(heads, s_q, s_k, batch=2, **masking)
+
+
+@pytest.mark.parametrize("case", ["gqa_mla-window", "ring-step-softcap", "key-padding", "document-ids"])
+def test_dk_and_dv_from_separate_launches(case, monkeypatch):
+    """The wide-head backward (``split_grads``): dK and dV each from a launch of their own."""
+    monkeypatch.setattr(triton_backward, "split_grads", lambda d_qk, d_v: True)
+    torch.manual_seed(3)
+    if case == "key-padding":
+        _check("gqa_mla", 40, 40, batch=2, is_causal=True, key_padding_mask=_key_padding(2, 40, left=19, right=13))
+    elif case == "document-ids":
+        _check_documents("gqa", DOCUMENT_IDS["runs"], is_causal=True)
+    else:
+        heads, s_q, s_k, masking = CASES[case]
+        _check(heads, s_q, s_k, batch=2, **masking)
 
 
 def test_float16():
