@@ -141,6 +141,8 @@ def _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, key_d
         q = walk_tile(q_rows, start, BLOCK_M, BLOCK_DQK, OWN_WALK)
         do = walk_tile(do_rows, start, BLOCK_M, BLOCK_DV, OWN_WALK)
         lse = _log2_lse(lse_ptrs + offset * stride_ls, ok)
+        if DK:
+            delta = tl.load(delta_ptrs + offset * stride_ds, mask=ok, other=0.0)
         s = tl.dot(k, tl.trans(q), input_precision=PRECISION)
         if SOFTCAP:
             s, t = capped(s, cap)
@@ -152,7 +154,6 @@ def _dkdv_tiles(dk, dv, k, v, q_rows, do_rows, lse_ptrs, delta_ptrs, real, key_d
         if DV:
             dv = tl.dot(p.to(do.dtype), do, dv, input_precision=PRECISION)
         if DK:
-            delta = tl.load(delta_ptrs + offset * stride_ds, mask=ok, other=0.0)
             ds = p * (tl.dot(v, tl.trans(do), input_precision=PRECISION) - delta[None, :])
             if SOFTCAP:
                 ds *= 1 - t * t
