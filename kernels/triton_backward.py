@@ -317,15 +317,15 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, ma
     def dkdv_grid(meta):
         return triton.cdiv(max_seqlen_k, meta["BLOCK_N"]), h_kv * parts, batch
 
-    for grads in ({"DK": True, "DV": False}, {"DK": False, "DV": True}) if split_grads(d_qk, d_v) else \
-            ({"DK": True, "DV": True},):
+    launches = ((True, False), (False, True)) if split_grads(d_qk, d_v) else ((True, True),)
+    for with_dk, with_dv in launches:
         launch(
             _dkdv_kernel, dkdv_grid, q.device,
             walked(q, own), k, v, walked(dout, own), lse, delta, dk_parts, dv_parts, cu_seqlens_q, cu_seqlens_k,
             *mask_args, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *lse.stride(),
             *delta.stride(), dk_parts.stride(0), *dk_parts.stride()[1:4], dv_parts.stride(0), *dv_parts.stride()[1:4],
             max_seqlen_q, max_seqlen_k, group, parts, before, after, qk_scale, scale, softcap / scale, **common,
-            **grads,
+            DK=with_dk, DV=with_dv,
         )
     if parts > 1:
         for grad, partial in ((dk, dk_parts), (dv, dv_parts)):
