@@ -33,8 +33,10 @@ class Hardware:
     a2a_efficiency: float = 0.94  # all-to-all likewise
     memory_gbps: float = 3000.0  # HBM, for the fp32 merge of partial outputs and Ulysses' copies
     step_overhead_s: float = 30e-6  # launches and synchronisation of one ring step
-    # cuDNN's backward with d_qk != d_v (MLA 192/128, H200) runs full (unmasked) tiles at 300 TFLOP/s
-    # against 469 for causal ones; with d_qk == d_v the two run alike (551 / 532 at 128/128)
+    # cuDNN's backward with d_qk != d_v (MLA 192/128, H200) runs causal tiles at 469 TFLOP/s, 0.85 of
+    # kernel_tflops, and full (unmasked) ones at 300, 0.64 of the causal speed; with d_qk == d_v the
+    # two run alike (551 / 532 at 128/128)
+    unequal_dims_backward: float = 0.85
     unequal_dims_full_backward: float = 0.64
     # Between nodes: ranks fill node after node; 0 GPUs per node means every GPU is in one node.
     gpus_per_node: int = 0
@@ -151,7 +153,7 @@ def _backward_compute(p: Problem, hw: Hardware, full_share: float) -> float:
     """Backward time over forward time, with ``full_share`` of the work in full tiles."""
     if p.d_qk == p.d_v:
         return BACKWARD_COMPUTE
-    return BACKWARD_COMPUTE * (1 - full_share + full_share / hw.unequal_dims_full_backward)
+    return BACKWARD_COMPUTE / hw.unequal_dims_backward * (1 - full_share + full_share / hw.unequal_dims_full_backward)
 
 
 def _ring(p: Problem, hw: Hardware, ranks: int, compute: float, backward: float, stride: int = 1

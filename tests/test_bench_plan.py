@@ -56,6 +56,6 @@ def test_validation_prints_the_model_error_against_measured_tables(capsys):
     rows = [line for line in out if re.fullmatch(r" +[24] (GQA|MLA) .* +\d+ +\d+ +[+-]\d+\.\d%", line)]
     assert len(rows) == 28, out  # 2 GPUs: 4 shapes x 3 strategies; 4 GPUs: 4 shapes x 4 (the hybrid as 2x2)
     assert sum(" hybrid " in row and " 2x2 " in row for row in rows) == 4
-    mean = re.fullmatch(r"  mean \|error\| (\d+\.\d)% over 28 points; the model's fastest is the measured fastest "
-                        r"in \d of 8 shapes", out[-1])
-    assert mean and float(mean[1]) < 15.0, out[-1]
+    summary = re.fullmatch(r"  mean \|error\| (\d+\.\d)% over 28 points; the model's fastest is the measured "
+                           r"fastest in \d of 8 shapes, and measured at (\d\.\d+) of it or more", out[-1])
+    assert summary and float(summary[1]) < 5.0 and float(summary[2]) > 0.95, out[-1]
