@@ -92,10 +92,9 @@ def assumption_lines(hw: cost_model.Hardware) -> list[str]:
     return ["assumptions: cost_model.Hardware(" + fields + ")", *(f"  {line}" for line in ASSUMPTIONS)]
 
 
-def validation() -> tuple[list[str], float]:
-    """(the lines comparing the model with ``MEASURED``, the mean relative error), the model on
-    default ``Hardware`` (one node)."""
-    hw = cost_model.Hardware()
+def validation(hw: cost_model.Hardware = cost_model.Hardware()) -> tuple[list[str], float]:
+    """(the lines comparing the model on ``hw`` in one node with ``MEASURED``, the mean relative error)."""
+    hw = dataclasses.replace(hw, gpus_per_node=0)
     lines = ["validation: the cost model's fwd+bwd TFLOP/s per GPU against measured bench cp figures "
              "(bf16, causal, batch 1)",
              f"  {'GPUs':>4s} {'heads':16s} {'tokens':>7s} {'strategy':10s} {'mesh':>4s} {'measured':>8s} "
@@ -140,11 +139,18 @@ def main(argv=None) -> int:
                         help="each way per GPU between nodes (default %(default)s)")
     parser.add_argument("--memory-gb", type=float, default=defaults.gpu_memory_gb,
                         help="memory of one GPU (default %(default)s)")
+    parser.add_argument("--ring-overlap", type=float, default=defaults.ring_overlap,
+                        help="the share of a ring step's transfer hidden behind its compute (default %(default)s)")
     parser.add_argument("--validate", action="store_true",
                         help="print the model against the measured 2- and 4-GPU tables instead")
     args = parser.parse_args(argv)
+    if not 0 <= args.ring_overlap <= 1:
+        parser.error(f"--ring-overlap must be a share between 0 and 1; got {args.ring_overlap}")
+    hw = dataclasses.replace(defaults, gpus_per_node=args.gpus_per_node, link_gbps=args.link_gbps,
+                             internode_gbps=args.internode_gbps, gpu_memory_gb=args.memory_gb,
+                             ring_overlap=args.ring_overlap)
     if args.validate:
-        print("\n".join(validation()[0]))
+        print("\n".join(validation(hw)[0]))
         return 0
     for name, value in (("--gpus", min(args.gpus)), ("--batch", args.batch)):
         if value < 1:
@@ -160,15 +166,13 @@ def main(argv=None) -> int:
         for seq in args.seq:
             if seq % (2 * gpus):
                 parser.error(f"--seq must be a multiple of 2 x GPUs (zigzag shards); got {seq} on {gpus} GPUs")
-    hw = dataclasses.replace(defaults, gpus_per_node=args.gpus_per_node, link_gbps=args.link_gbps,
-                             internode_gbps=args.internode_gbps, gpu_memory_gb=args.memory_gb)
     heads = {f"heads {h_q}/{h_kv} d {d_qk}/{d_v}": (h_q, h_kv, d_qk, d_v)
              for h_q, h_kv, d_qk, d_v in args.heads} if args.heads else HEADS
     window = (args.window, 0) if args.window >= 0 else (-1, -1)
     lines = assumption_lines(hw)
     for (name, shape), gpus, seq in ((h, g, s) for h in heads.items() for g in args.gpus for s in args.seq):
         lines += ["", *plan_lines(name, problem(shape, gpus, seq, args.batch, window), hw)]
-    lines += ["", f"the model against measured tables: mean |error| {validation()[1]:.1%} "
+    lines += ["", f"the model against measured tables: mean |error| {validation(hw)[1]:.1%} "
                   "(python -m attn_compile.bench plan --validate)"]
     print("\n".join(lines))
     return 0

@@ -42,6 +42,9 @@ class Hardware:
     gpus_per_node: int = 0
     internode_gbps: float = 50.0  # each way per GPU: one 400 Gb/s network port per GPU
     gpu_memory_gb: float = 80.0  # what one GPU holds, for ``options``' memory check
+    # The share of a ring step's transfer that runs beside the step's compute: 0 where the transfer's
+    # kernel does not run beside the attention kernel (as NCCL's beside cuDNN's on H200s, BENCHMARKS.md)
+    ring_overlap: float = 1.0
 
     def spans_nodes(self, ranks: int, stride: int = 1) -> bool:
         """Whether a group of ``ranks`` ranks ``stride`` apart crosses nodes (a group starts at a
@@ -166,8 +169,11 @@ def _ring(p: Problem, hw: Hardware, ranks: int, compute: float, backward: float,
     transfers = p.ring_transfers(ranks)
     merge = 3 * p.batch * p.h_q * p.s_local * (p.d_v + 1) * 4 / (hw.memory_gbps * 1e9)
     step_compute = compute / (transfers + 1) + merge + hw.step_overhead_s
-    fwd = step_compute + transfers * max(step_compute, step_transfer)
-    bwd = backward * step_compute + transfers * max(backward * step_compute, 2 * step_transfer)
+    def step(compute_s, transfer_s):  # a step's compute, the transfer it cannot hide, or the whole transfer
+        return max(compute_s + (1 - hw.ring_overlap) * transfer_s, transfer_s)
+
+    fwd = step_compute + transfers * step(step_compute, step_transfer)
+    bwd = backward * step_compute + transfers * step(backward * step_compute, 2 * step_transfer)
     return 3 * transfers * step_transfer, fwd + bwd, 3 * step_bytes
 
 

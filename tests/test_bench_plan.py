@@ -17,7 +17,7 @@ def _plan(capsys, *argv):
 def test_plan_past_one_node(capsys):
     out = _plan(capsys, "--gpus", "16", "--gpus-per-node", "8", "--seq", "131072", "--heads", "32", "8", "128", "128")
     assert out.startswith("assumptions: cost_model.Hardware(kernel_tflops=550.0, link_gbps=306.0, ")
-    assert "gpus_per_node=8, internode_gbps=50.0, gpu_memory_gb=80.0)" in out.splitlines()[0]
+    assert "gpus_per_node=8, internode_gbps=50.0, gpu_memory_gb=80.0, ring_overlap=1.0)" in out.splitlines()[0]
     table = out.split("\n\n")[1].splitlines()
     assert table[0] == "heads 32/8 d 128/128, 131072 tokens, batch 1, on 16 GPUs (2 nodes)"
     assert table[1].split() == ["strategy", "mesh", "ms", "fwd+bwd", "ms", "exposed", "GB", "per", "GPU"]
@@ -44,6 +44,7 @@ def test_plan_that_does_not_fit_memory_says_so(capsys):
     (["--gpus", "16", "--seq", "1000"], "--seq must be a multiple of 2 x GPUs (zigzag shards); got 1000 on 16 GPUs"),
     (["--gpus", "12", "--gpus-per-node", "8"], "--gpus must fill whole nodes of --gpus-per-node 8; got 12"),
     (["--heads", "32", "6", "128", "128"], "--heads: H_Q must be a multiple of H_KV >= 1; got 32 and 6"),
+    (["--validate", "--ring-overlap", "1.5"], "--ring-overlap must be a share between 0 and 1; got 1.5"),
 ])
 def test_bad_arguments_are_named(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:

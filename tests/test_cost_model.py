@@ -153,3 +153,14 @@ def test_an_option_that_does_not_fit_memory_does_not_run():
                                             f"than the 20 GB one holds")
     assert laid_out["allgather"].memory_bytes > 20e9 and not laid_out["ring"].reason
     assert fastest(options(p, Hardware(gpu_memory_gb=0.1))) is None
+
+
+def test_a_ring_that_cannot_overlap_adds_its_transfers():
+    """With ring_overlap=0 (the transfer's kernel does not run beside the attention kernel) every
+    step's transfer adds to its compute; with 1 the compute-bound ring hides them all."""
+    p = _problem(mesh_shape=(4,))
+    hidden, exposed = estimate("ring", p), estimate("ring", p, Hardware(ring_overlap=0.0))
+    assert hidden.transfer_s < hidden.compute_s / 10
+    assert exposed.time_s == pytest.approx(hidden.time_s + hidden.transfer_s)
+    half = estimate("ring", p, Hardware(ring_overlap=0.5))
+    assert half.time_s == pytest.approx(hidden.time_s + hidden.transfer_s / 2)
