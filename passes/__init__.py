@@ -1,7 +1,8 @@
 """FX passes that find attention in dynamo graphs and rewrite it into ``attn_cp.attention``.
 
 Each node, in graph order, is offered to the finders: an SDPA call (sdpa.py), hand-written
-softmax attention (matmul_softmax.py) or a ``varlen_attn`` call (varlen_attn.py), which becomes
+softmax attention (matmul_softmax.py), a ``flex_attention`` call whose mask_mod reads as the op's
+masks (flex_attention.py), or a ``varlen_attn`` call (varlen_attn.py), which becomes
 ``attn_cp.varlen_attention`` directly, with no refinement. A site found is an AttentionCall (call.py), which each
 refinement in turn may improve: drop a repeat_kv copy of k and v (repeat_kv.py), turn an index-built
 mask into causal/window/key-padding arguments (mask_structure.py) or, outside those classes, into a
@@ -16,7 +17,7 @@ import logging
 
 from torch.fx import GraphModule
 
-from . import checkpoint, matmul_softmax, sdpa, varlen_attn
+from . import checkpoint, flex_attention, matmul_softmax, sdpa, varlen_attn
 from .call import AttentionCall, Left, emit, kernel_of, why_invalid
 from .checkpoint import localize
 from .flex_mask import emit_flex
@@ -29,7 +30,7 @@ from .site import Site, location_of
 
 log = logging.getLogger("attn_compile")
 
-FINDERS = (sdpa.find, matmul_softmax.find, varlen_attn.find)
+FINDERS = (sdpa.find, matmul_softmax.find, varlen_attn.find, flex_attention.find)
 REFINEMENTS = (strip_repeat_kv, infer_mask_structure, drop_contiguous_copies)
 
 
@@ -117,6 +118,7 @@ def _rewrite_graph(graph, cuda_graphs: bool) -> list[Site]:
                               f"{error}") from error
         log.info("%s %s", "rewrote" if site.rewritten else "left", site)
         sites.append(site)
+    flex_attention.erase_leftovers(graph)
     return sites
 
 
