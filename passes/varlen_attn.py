@@ -14,12 +14,18 @@ tensor and no ``seqused_k`` shortens the keys; a causal or windowed call that do
 stays as it is. Causal is the window's right edge at 0: ``is_causal`` or ``window_size=(W, 0)``
 become the op's ``is_causal`` with a left window of W (-1 unbounded). The LSE, where read, is
 transposed back to varlen_attn's (H, T_q).
+
+MLA: varlen_attn's shape function gives its output q's head dim, so a V with another head dim
+cannot be traced through it; code written for FA2 pads V with zeros to q's head dim and trims the
+output, ``varlen_attn(q, k, F.pad(v, (0, n)))[..., :d_v]``. The op takes V unpadded, and its
+output replaces the trimmed one.
 """
 import dataclasses
 import operator
 from typing import Optional, Union
 
 import torch
+import torch.nn.functional as F
 from torch.fx import Graph, Node
 
 from .. import varlen
@@ -61,6 +67,7 @@ class VarlenCall:
     scale: float
     window: tuple[int, int]
     seqused_k: Optional[Node]
+    trims: tuple[Node, ...] = ()  # ``out[..., :d_v]`` of a V zero-padded to d_qk: the op's output replaces them
 
     def tensors(self) -> dict:
         named = {"q": self.q, "k": self.k, "v": self.v, "cu_seqlens": self.cu_seqlens_q, "seqused_k": self.seqused_k}
@@ -83,6 +90,31 @@ def _outputs(node: Node) -> Optional[dict]:
             return None
         outputs.setdefault(user.args[1], []).append(user)
     return outputs
+
+
+def _zero_padded(v: Node) -> Optional[Node]:
+    """x where v is ``F.pad(x, (0, n))`` with zeros, the last dim padded at its end; else None."""
+    if not isinstance(v, Node) or v.op != "call_function" or v.target not in (torch._C._nn.pad, F.pad):
+        return None
+    args = dict(zip(("input", "pad", "mode", "value"), v.args), **v.kwargs)
+    pad = args.get("pad")
+    if args.get("mode", "constant") != "constant" or args.get("value") not in (None, 0, 0.0) or \
+            not isinstance(pad, (tuple, list)) or len(pad) != 2 or pad[0] != 0:
+        return None
+    return args["input"]
+
+
+def _trims(outputs: dict, d_v: int) -> Optional[list]:
+    """The ``out[..., :d_v]`` nodes that are all that reads the output, or None."""
+    trims = []
+    for out in outputs.get(0, []):
+        for user in out.users:
+            index = user.args[1] if user.target is operator.getitem and len(user.args) == 2 else None
+            if not isinstance(index, tuple) or not index or index[-1] != slice(None, d_v, None) or any(
+                    i not in (Ellipsis, slice(None)) for i in index[:-1]) or (Ellipsis not in index and len(index) != 3):
+                return None
+            trims.append(user)
+    return trims
 
 
 def _masking(a: dict) -> Union[tuple, str]:
@@ -141,8 +173,14 @@ def find(node: Node) -> Union[VarlenCall, Left, None]:
     causal, window = _masking(a)
     q = hinted_meta(example_tensor(a["query"]))
     scale = a["scale"] if a["scale"] is not None else q.shape[-1] ** -0.5
-    return VarlenCall(node, a["query"], a["key"], a["value"], a["cu_seq_q"], a["cu_seq_k"], a["max_q"], a["max_k"],
-                      causal, float(scale), window, a["seqused_k"])
+    v, trims = a["value"], ()
+    unpadded = _zero_padded(v)
+    if unpadded is not None and example_tensor(unpadded) is not None and 1 not in outputs:
+        found = _trims(outputs, example_tensor(unpadded).shape[-1])
+        if found:  # MLA written for a kernel that needs d_v == d_qk: the op takes V as it is
+            v, trims = unpadded, tuple(found)
+    return VarlenCall(node, a["query"], a["key"], v, a["cu_seq_q"], a["cu_seq_k"], a["max_q"], a["max_k"],
+                      causal, float(scale), window, a["seqused_k"], trims)
 
 
 def _why_invalid(call: VarlenCall) -> Optional[str]:
@@ -171,9 +209,14 @@ def _emit(graph: Graph, call: VarlenCall) -> None:
             if lse_dtype(example_tensor(call.q).dtype) != torch.float32:
                 lse = graph.call_method("float", (lse,))
             replacements[1] = lse
+    for trim in call.trims:
+        replacements[0].meta.update(trim.meta)
+        trim.replace_all_uses_with(replacements[0])
+        graph.erase_node(trim)
     for index, users in outputs.items():
         for user in users:
-            replacements[index].meta.update(user.meta)
+            if not call.trims:
+                replacements[index].meta.update(user.meta)
             user.replace_all_uses_with(replacements[index])
             graph.erase_node(user)
     graph.erase_node(call.anchor)

@@ -70,6 +70,33 @@ varlen_attention_default = attn_cp.varlen_attention.default(l_q_, l_k_, l_v_, l_
 getitem_3 = getitem(varlen_attention_default, 0)
 return (getitem_3)""")
 
+    def test_mla_with_zero_padded_v(self):
+        """V zero-padded to q's head dim and the output trimmed (FA2's way): the op takes V as it is."""
+        lengths = [6, 1, 13]
+        cu = _cu(lengths)
+        q, k, v = _packed(20, 4, 24), _packed(20, 2, 24), _packed(20, 2, 16)
+
+        def fn(q, k, v, cu):
+            out = varlen_attn(q, k, torch.nn.functional.pad(v, (0, 8)), cu, cu, 13, 13, window_size=(-1, 0),
+                              enable_gqa=True)
+            return out[..., :16]
+
+        graph, _ = rewrite(fn, *(x.detach() for x in (q, k, v)), cu)
+        self.assertExpectedInline(graph, """\
+l_cu_ = input
+l_k_ = input
+l_q_ = input
+l_v_ = input
+varlen_attention_default = attn_cp.varlen_attention.default(l_q_, l_k_, l_v_, l_cu_, l_cu_, 13, 13, True, 0.2041241452319315, -1, -1, False)
+getitem_4 = getitem(varlen_attention_default, 0)
+return (getitem_4)""")
+        got = _compiled(fn)(q, k, v, cu)
+        want, _ = reference(q, k, v, cu, cu, window=(-1, 0))
+        assert rel_err(got, want) <= 1e-6
+        dout = torch.randn_like(got)
+        for g, w in zip(torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(want, (q, k, v), dout)):
+            assert rel_err(g, w) <= 1e-6
+
 
 class _Traced(Exception):
     """Stops the compile once the passes ran: the site left as it is has no CPU kernel to run."""
@@ -164,3 +191,22 @@ def test_opcheck_with_seqused_k():
     cu_q, cu_k, used = _cu([4, 5]), _cu([6, 6]), torch.tensor([3, 6], dtype=torch.int32)
     torch.library.opcheck(torch.ops.attn_cp.varlen_attention.default,
                           (q, k, v, cu_q, cu_k, 5, 6, False, 0.3, -1, -1, False), {"seqused_k": used})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [(-1, 0), (64, 0), (-1, -1)])
+def test_against_torch_varlen_attn_on_gpu(window):
+    """The rewritten site (Triton) against varlen_attn itself (FA2), bf16, forward and gradients."""
+    lengths = [1, 300, 7, 1024, 3, 513]
+    cu = _cu(lengths).cuda()
+    q, k, v = (torch.randn(sum(lengths), h, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for h in (8, 2, 2))
+
+    def fn(q, k, v, cu):
+        return varlen_attn(q, k, v, cu, cu, 1024, 1024, window_size=window, enable_gqa=True)
+
+    got, want = _compiled(fn)(q, k, v, cu), fn(q, k, v, cu)
+    assert rel_err(got, want) <= 2e-2
+    dout = torch.randn_like(got)
+    for g, w in zip(torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(want, (q, k, v), dout)):
+        assert rel_err(g, w) <= 2e-2
