@@ -155,3 +155,25 @@ def test_new_sequence_length_does_not_recompile():
         i, j = torch.arange(s)[:, None], torch.arange(s)
         assert rel_err(fn(q, k, v), naive_attention(q, k, v, attn_mask=DENSE[window](i, j))) <= 1e-6
     assert counter.frame_count == 1
+
+
+def _check_ranks(rank, world):
+    from attn_compile import shard_sequence
+
+    group = torch.distributed.group.WORLD
+    q, k, v = _qkv(False)
+    i, j = torch.arange(S)[:, None], torch.arange(S)
+    want = naive_attention(q, k, v, attn_mask=DENSE[window](i, j), softcap=0.0)
+    compiled = torch.compile(_attention(window), backend="attn_cp", options={"mesh": group, "inner": "aot_eager"})
+    got = compiled(*(shard_sequence(x, group) for x in (q, k, v)))
+    assert rel_err(got, shard_sequence(want, group)) <= 1e-6
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="run locally it would see only this rank"):  # a compile-time error
+        torch.compile(_attention(documents), backend="attn_cp", options={"mesh": group, "inner": "aot_eager"})(
+            *(shard_sequence(x, group) for x in (q, k, v)))
+
+
+def test_flex_site_on_sequence_shards_runs_context_parallel():
+    from dist_harness import run_distributed
+
+    run_distributed(_check_ranks, 2)
