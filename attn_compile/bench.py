@@ -13,6 +13,7 @@ SUITES = {
     "kernels": "attn_compile.kernels.bench_kernels",
     "cp": "attn_compile.cp.bench",
     "models": "attn_compile.bench_models",
+    "plan": "attn_compile.bench_plan",
 }
 
 

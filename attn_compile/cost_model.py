@@ -4,9 +4,16 @@ A small analytic model: compute at the kernel's throughput, transfers at the lin
 and overlap only where the strategy really overlaps (the ring hides each step's transfer behind
 the previous step's compute; all-gather and Ulysses wait for their collectives). The defaults
 describe NVLink-connected H100/H200 (see BENCHMARKS.md); pass ``Hardware(...)`` to override.
+
+Past one node, ``Hardware.gpus_per_node`` adds a second, slower link between nodes: a ring or an
+all-gather that crosses nodes runs at that link's speed, and an all-to-all sends the share of its
+data that leaves the node over it. ``options`` lays a problem out on a number of GPUs every way
+the model knows (the hybrid with Ulysses inside a node and the ring across nodes), with the
+memory each needs per GPU.
 """
 import dataclasses
 import math
+from typing import Optional
 
 import torch
 
@@ -26,9 +33,28 @@ class Hardware:
     a2a_efficiency: float = 0.94  # all-to-all likewise
     memory_gbps: float = 3000.0  # HBM, for the fp32 merge of partial outputs and Ulysses' copies
     step_overhead_s: float = 30e-6  # launches and synchronisation of one ring step
-    # cuDNN's backward with d_qk != d_v (MLA 192/128, H200) runs full (unmasked) tiles at 300 TFLOP/s
-    # against 469 for causal ones; with d_qk == d_v the two run alike (551 / 532 at 128/128)
+    # cuDNN's backward with d_qk != d_v (MLA 192/128, H200) runs causal tiles at 469 TFLOP/s, 0.85 of
+    # kernel_tflops, and full (unmasked) ones at 300, 0.64 of the causal speed; with d_qk == d_v the
+    # two run alike (551 / 532 at 128/128)
+    unequal_dims_backward: float = 0.85
     unequal_dims_full_backward: float = 0.64
+    # Between nodes: ranks fill node after node; 0 GPUs per node means every GPU is in one node.
+    gpus_per_node: int = 0
+    internode_gbps: float = 50.0  # each way per GPU: one 400 Gb/s network port per GPU
+    gpu_memory_gb: float = 80.0  # what one GPU holds, for ``options``' memory check
+    # The share of a ring step's transfer that runs beside the step's compute: 0 where the transfer's
+    # kernel does not run beside the attention kernel (as NCCL's beside cuDNN's on H200s, BENCHMARKS.md)
+    ring_overlap: float = 1.0
+
+    def spans_nodes(self, ranks: int, stride: int = 1) -> bool:
+        """Whether a group of ``ranks`` ranks ``stride`` apart crosses nodes (a group starts at a
+        multiple of its span, and spans and nodes divide one another)."""
+        return self.gpus_per_node > 0 and ranks * stride > self.gpus_per_node
+
+    def pass_gbps(self, ranks: int, stride: int = 1) -> float:
+        """Each way per GPU of a pass round a ring, or an all-gather (NCCL's is a ring): a ring that
+        crosses nodes moves at its slowest hop's speed."""
+        return self.internode_gbps if self.spans_nodes(ranks, stride) else self.link_gbps
 
 
 def traced_int(size) -> int:
@@ -106,6 +132,12 @@ class Problem:
     def kv_bytes(self, heads: int) -> float:
         return self.batch * heads * self.s_local * (self.d_qk + self.d_v) * self.element_bytes
 
+    def call_bytes(self) -> float:
+        """One rank's q, k, v and out with their gradients, and the LSE: what the call holds
+        whatever the strategy."""
+        rows = self.batch * self.s_local
+        return 2 * self.kv_bytes(self.h_q + self.h_kv) + rows * self.h_q * 4
+
 
 @dataclasses.dataclass(frozen=True)
 class Estimate:
@@ -113,7 +145,7 @@ class Estimate:
     compute_s: float
     transfer_s: float
     time_s: float  # with the strategy's overlap
-    memory_bytes: float  # K/V (and gathered or exchanged copies) held per rank
+    memory_bytes: float  # K/V (and gathered or exchanged copies) held per rank, besides ``Problem.call_bytes``
 
     def __str__(self) -> str:
         return (f"{self.strategy}: {self.time_s * 1e6:.4g} us (compute {self.compute_s * 1e6:.4g} us, "
@@ -124,20 +156,24 @@ def _backward_compute(p: Problem, hw: Hardware, full_share: float) -> float:
     """Backward time over forward time, with ``full_share`` of the work in full tiles."""
     if p.d_qk == p.d_v:
         return BACKWARD_COMPUTE
-    return BACKWARD_COMPUTE * (1 - full_share + full_share / hw.unequal_dims_full_backward)
+    return BACKWARD_COMPUTE / hw.unequal_dims_backward * (1 - full_share + full_share / hw.unequal_dims_full_backward)
 
 
-def _ring(p: Problem, hw: Hardware, ranks: int, compute: float, backward: float) -> tuple[float, float, float]:
-    """(transfer, time, memory) of a ring over ``ranks``: KV forward, KV and dKV backward, the
-    backward taking ``backward`` times the forward's compute. Each step also pays a fixed
-    overhead and the fp32 merge of the partial output."""
+def _ring(p: Problem, hw: Hardware, ranks: int, compute: float, backward: float, stride: int = 1
+          ) -> tuple[float, float, float]:
+    """(transfer, time, memory) of a ring over ``ranks`` ranks ``stride`` apart: KV forward, KV and
+    dKV backward, the backward taking ``backward`` times the forward's compute. Each step also
+    pays a fixed overhead and the fp32 merge of the partial output."""
     step_bytes = p.kv_bytes(p.h_kv)
-    step_transfer = step_bytes / (hw.link_gbps * 1e9)
+    step_transfer = step_bytes / (hw.pass_gbps(ranks, stride) * 1e9)
     transfers = p.ring_transfers(ranks)
     merge = 3 * p.batch * p.h_q * p.s_local * (p.d_v + 1) * 4 / (hw.memory_gbps * 1e9)
     step_compute = compute / (transfers + 1) + merge + hw.step_overhead_s
-    fwd = step_compute + transfers * max(step_compute, step_transfer)
-    bwd = backward * step_compute + transfers * max(backward * step_compute, 2 * step_transfer)
+    def step(compute_s, transfer_s):  # a step's compute, the transfer it cannot hide, or the whole transfer
+        return max(compute_s + (1 - hw.ring_overlap) * transfer_s, transfer_s)
+
+    fwd = step_compute + transfers * step(step_compute, step_transfer)
+    bwd = backward * step_compute + transfers * step(backward * step_compute, 2 * step_transfer)
     return 3 * transfers * step_transfer, fwd + bwd, 3 * step_bytes
 
 
@@ -150,9 +186,11 @@ def estimate(strategy: str, p: Problem, hw: Hardware = Hardware()) -> Estimate:
         transfer, time, memory = _ring(p, hw, p.cp, compute, backward)
     elif strategy == "allgather":
         # all-gather of KV in forward, again in backward (recomputed), reduce-scatter of dKV
+        # memory: the gathered K and V, and in backward their fp32 gradients and the fp32 copy the
+        # reduce-scatter sends
         gathered = p.kv_bytes(p.h_kv) * p.cp
-        transfer = 3 * gathered * (p.cp - 1) / p.cp / (hw.link_gbps * hw.allgather_efficiency * 1e9)
-        time, memory = total_compute + transfer, 2 * gathered
+        transfer = 3 * gathered * (p.cp - 1) / p.cp / (hw.pass_gbps(p.cp) * hw.allgather_efficiency * 1e9)
+        time, memory = total_compute + transfer, 5 * gathered
     elif strategy == "ulysses":
         transfer = _a2a_seconds(p, hw, p.cp)
         time, memory = total_compute + transfer, p.kv_bytes(_kv_heads_sent(p.h_kv, p.cp)) * 2
@@ -161,7 +199,7 @@ def estimate(strategy: str, p: Problem, hw: Hardware = Hardware()) -> Estimate:
         a2a = _a2a_seconds(p, hw, inner)
         per_group = dataclasses.replace(p, s_local=p.s_local * inner, h_q=p.h_q // inner,
                                         h_kv=_kv_heads_sent(p.h_kv, inner) // inner, mesh_shape=(outer,))
-        ring_transfer, ring_time, memory = _ring(per_group, hw, outer, compute, backward)
+        ring_transfer, ring_time, memory = _ring(per_group, hw, outer, compute, backward, stride=inner)
         transfer, time = a2a + ring_transfer, a2a + ring_time
     else:
         raise ValueError(f"strategy must be one of {STRATEGIES}; got {strategy!r}")
@@ -174,20 +212,30 @@ def _kv_heads_sent(h_kv: int, cp: int) -> int:
 
 
 def _a2a_seconds(p: Problem, hw: Hardware, ranks: int) -> float:
-    """Ulysses all-to-alls, fwd + bwd: q, k, v there and out back; dout there and dq, dk, dv back
-    (the backward reuses the forward's head shards). Each exchange also copies its tensor between
-    the sequence order and the per-rank blocks the all-to-all moves: one read+write pass over HBM
-    with a batch of one, two with more, where the per-rank blocks are not views (measured on 2x
-    H200, MLA 64K: 9.4 ms of all-to-alls came with about 5 ms of copies, when every exchange
-    made two or three)."""
+    """Ulysses all-to-alls over ``ranks`` consecutive ranks, fwd + bwd: q, k, v there and out back;
+    dout there and dq, dk, dv back (the backward reuses the forward's head shards). Each exchange
+    also copies its tensor between the sequence order and the per-rank blocks the all-to-all
+    moves: one read+write pass over HBM with a batch of one, two with more, where the per-rank
+    blocks are not views (measured on 2x H200, MLA 64K: 9.4 ms of all-to-alls came with about
+    5 ms of copies, when every exchange made two or three)."""
     e = p.element_bytes
     per_row = p.batch * p.s_local * e
     q, out = per_row * p.h_q * p.d_qk, per_row * p.h_q * p.d_v
     kv = per_row * _kv_heads_sent(p.h_kv, ranks) * (p.d_qk + p.d_v)
     moved = 2 * (q + kv + out)
     copies = 1 if p.batch == 1 else 2
-    return (moved * (ranks - 1) / ranks / (hw.link_gbps * hw.a2a_efficiency * 1e9)
-            + 2 * copies * moved / (hw.memory_gbps * 1e9))
+    return _exchange_seconds(moved, ranks, hw) + 2 * copies * moved / (hw.memory_gbps * 1e9)
+
+
+def _exchange_seconds(sent: float, ranks: int, hw: Hardware) -> float:
+    """An all-to-all in which each rank sends ``sent`` bytes, 1/ranks of it to itself: across
+    nodes the share for other nodes goes over their link while the rest moves inside the node."""
+    rate = hw.a2a_efficiency * 1e9
+    if not hw.spans_nodes(ranks):
+        return sent * (ranks - 1) / ranks / (hw.link_gbps * rate)
+    node = hw.gpus_per_node
+    return max(sent * (ranks - node) / ranks / (hw.internode_gbps * rate),
+               sent * (node - 1) / ranks / (hw.link_gbps * rate))
 
 
 def feasible(strategy: str, p: Problem) -> tuple[bool, str]:
@@ -223,3 +271,51 @@ def choose(p: Problem, hw: Hardware = Hardware(), strategy: str = "auto") -> tup
     if isinstance(reason, str):
         raise ValueError(f"strategy={strategy!r} cannot run here: {reason}")
     return strategy, table
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One way to lay a problem out on the GPUs: a strategy on a mesh, and what the model says of it."""
+    strategy: str
+    mesh_shape: tuple
+    estimate: Optional[Estimate]  # None where the strategy cannot run the problem
+    exposed_s: float  # what the transfers add to estimate.time_s (the time on links of no cost subtracted)
+    memory_bytes: float  # per GPU: ``Problem.call_bytes`` and the strategy's buffers
+    reason: str = ""  # why it cannot run: the strategy does not fit the problem, or its memory the GPU
+
+
+def hybrid_meshes(gpus: int, hw: Hardware) -> list[tuple[int, int]]:
+    """The (outer, inner) meshes of the hybrid on ``gpus`` GPUs whose inner (Ulysses) groups lie
+    inside a node, so that only the ring crosses nodes."""
+    node = hw.gpus_per_node or gpus
+    return [(gpus // inner, inner) for inner in range(2, gpus) if gpus % inner == 0 and node % inner == 0]
+
+
+def options(p: Problem, hw: Hardware = Hardware()) -> list[Option]:
+    """Every strategy on ``p.cp`` GPUs: ring, all-gather and Ulysses over all of them, the hybrid
+    on each of ``hybrid_meshes``; an option whose memory per GPU exceeds ``hw.gpu_memory_gb``
+    does not run."""
+    free_links = dataclasses.replace(hw, link_gbps=math.inf, internode_gbps=math.inf)
+    layouts = [(s, (p.cp,)) for s in STRATEGIES if s != "hybrid"]
+    layouts += [("hybrid", mesh) for mesh in hybrid_meshes(p.cp, hw)]
+    result = []
+    for strategy, mesh in layouts:
+        problem = dataclasses.replace(p, mesh_shape=mesh)
+        ok, reason = feasible(strategy, problem)
+        if not ok:
+            result.append(Option(strategy, mesh, None, 0.0, 0.0, reason))
+            continue
+        e = estimate(strategy, problem, hw)
+        memory = problem.call_bytes() + e.memory_bytes
+        exposed = e.time_s - estimate(strategy, problem, free_links).time_s
+        too_big = memory > hw.gpu_memory_gb * 1e9
+        reason = f"needs {memory / 1e9:.3g} GB per GPU, more than the {hw.gpu_memory_gb:g} GB one holds" \
+            if too_big else ""
+        result.append(Option(strategy, mesh, e, exposed, memory, reason))
+    return result
+
+
+def fastest(choices: list[Option]) -> Optional[Option]:
+    """The fastest option that runs, or None."""
+    running = [o for o in choices if not o.reason]
+    return min(running, key=lambda o: o.estimate.time_s) if running else None

@@ -144,10 +144,10 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     keys i-left..i+right of its document, -1 unbounded. ``debug``: also check cu_seqlens's values
     on a GPU, which costs a device sync (on the CPU they are always checked).
 
-    ``group`` (a ProcessGroup or 1-D DeviceMesh) makes it context-parallel: q, k, v are this rank's
-    tokens from ``shard_varlen(x, cu_seqlens, group, layout)``, ``cu_seqlens_q`` is
-    ``cu_seqlens_k`` and describes the whole batch, and ``strategy`` is "ring", "allgather",
-    "ulysses" or "auto".
+    ``group`` (a ProcessGroup or 1-D DeviceMesh, or a 2-D DeviceMesh for "hybrid") makes it
+    context-parallel: q, k, v are this rank's tokens from ``shard_varlen(x, cu_seqlens, group,
+    layout)``, ``cu_seqlens_q`` is ``cu_seqlens_k`` and describes the whole batch, and
+    ``strategy`` is "ring", "allgather", "ulysses", "hybrid" or "auto".
     """
     scale = default_scale(q, scale)
     if group is None and strategy != "auto":

@@ -1,14 +1,17 @@
-"""Throughput of the Triton attention kernels beside cuDNN SDPA, flash SDPA and compiled
-flex_attention, forward and backward, on one GPU, in bf16.
+"""Throughput of the dispatched op (``op``) and of the Triton kernels beside cuDNN SDPA, flash
+SDPA, FlashAttention-4 called directly and compiled flex_attention, forward and backward, on one
+GPU, in bf16. q, k, v are transposed views of (B, S, H, D) projections, as models hand them over.
 
 TFLOP/s count useful work: 2 * B * H_q * (visible query-key pairs) * (d_qk + d_v) for the
 forward, 2.5 times that for the backward (causal S x S counts S(S+1)/2 pairs, within 0.01% of
-the S^2/2 of ../shared/BASELINES.md). Times are medians of triton.testing.do_bench. The SDPA
+the S^2/2 of ../shared/BASELINES.md); a padded batch counts every pair its mask leaves
+visible, padded query rows included, which the op computes (FA4 called directly with
+``seqused`` computes the real rows only). Times are medians of triton.testing.do_bench. The SDPA
 backends run the shapes SDPA can express; flex_attention runs the others (on the rest cuDNN is
 the peer to beat; ``--flex-everywhere`` adds them, at a minute of compiling each). A peer that
 cannot express a shape shows '-'; one that fails shows 'ERR'.
 
-    python -m attn_compile.kernels.bench_kernels [--peers cudnn,flash,flex] [--flex-everywhere]
+    python -m attn_compile.kernels.bench_kernels [--peers cudnn,flash,fa4,flex] [--flex-everywhere]
                                                  [--only NAME ...] [--plot out.png]
 """
 import argparse
@@ -19,7 +22,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
-from . import triton_attention
+from . import dispatch, fa4, triton_attention
 from .visibility import effective_window
 
 
@@ -38,14 +41,24 @@ class Shape:
     documents: tuple = ()  # varlen: packed documents of these lengths, summing to s
     ids: bool = False  # the documents as (1, s) ids to the dense kernels instead of cumulative lengths
     softcap: float = 0.0  # scores capped as softcap * tanh(s / softcap) (Gemma 2)
+    padding: tuple = ()  # a padded batch: each row's real tokens, one run
+    left: bool = False  # the runs end the rows (left padding) instead of starting them
+
+    @property
+    def batch(self) -> int:
+        return len(self.padding) or 1
 
     @property
     def plain(self) -> bool:
         """Expressible by SDPA's is_causal alone."""
-        return self.window == (-1, -1) and self.q_offset == self.k_offset and not self.documents and not self.softcap
+        return (self.window == (-1, -1) and self.q_offset == self.k_offset and not self.documents and not self.softcap
+                and not self.padding)
 
     def pairs(self) -> int:
         """Visible query-key pairs."""
+        if self.padding:  # the run's rows causal, the rows after it (right padding) see the whole run
+            return sum(n * (n + 1) // 2 + (0 if self.left else (self.s - n) * n) if self.is_causal else self.s * n
+                       for n in self.padding)
         if self.documents:
             return sum(Shape("", 1, 1, n, is_causal=self.is_causal, window=self.window).pairs() for n in self.documents)
         left, right = effective_window(self.is_causal, self.window)
@@ -73,16 +86,26 @@ SHAPES = (
     Shape("ring step: causal, offset half a tile", 32, 32, S, q_offset=S + 64, k_offset=S),
     Shape("MHA 32h d128 causal, softcap 50", 32, 32, S, softcap=50.0),
     Shape("Gemma 2: GQA 16/8 d256, window 4096, softcap 50", 16, 8, S, 256, 256, window=(4095, -1), softcap=50.0),
+    Shape("right-padded B4 GQA 32/8 d128 causal", 32, 8, S, padding=(8192, 6000, 7000, 3000)),
+    Shape("left-padded B4 GQA 32/8 d128 causal", 32, 8, S, padding=(8192, 6000, 7000, 3000), left=True),
 )
 
 
 def _inputs(shape: Shape):
-    """q, k, v, dout in (1, H, S, D), bf16, random."""
+    """q, k, v, dout in (B, H, S, D), bf16, random: transposed views of (B, S, H, D) tensors."""
     def randn(h, d):
-        return torch.randn(1, h, shape.s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        x = torch.randn(shape.batch, shape.s, h, d, device="cuda", dtype=torch.bfloat16)
+        return x.transpose(1, 2).requires_grad_()
 
     return randn(shape.h_q, shape.d_qk), randn(shape.h_kv, shape.d_qk), randn(shape.h_kv, shape.d_v), \
         randn(shape.h_q, shape.d_v).detach()
+
+
+def _key_padding(shape):
+    """(B, S) bool, True on each row's run of real tokens."""
+    positions = torch.arange(shape.s, device="cuda")
+    lengths = torch.tensor(shape.padding, device="cuda")[:, None]
+    return positions >= shape.s - lengths if shape.left else positions < lengths
 
 
 def _document_ids(shape):
@@ -91,10 +114,19 @@ def _document_ids(shape):
     return torch.repeat_interleave(torch.arange(len(shape.documents), device="cuda"), lengths)
 
 
-def _triton(shape, q, k, v):
+def _kernels(kernels):
+    """(forward, backward) of a module with the kernel interface: triton_attention or the dispatch."""
+    def make(shape, q, k, v):
+        return _calls(kernels, shape, q, k, v)
+    return make
+
+
+def _calls(kernels, shape, q, k, v):
     scale = shape.d_qk ** -0.5
     masking = dict(scale=scale, is_causal=shape.is_causal, window=shape.window, softcap=shape.softcap)
     q, k, v = (x.detach() for x in (q, k, v))
+    if shape.padding:
+        masking["key_padding_mask"] = _key_padding(shape)
     if shape.ids:
         masking["document_ids"] = _document_ids(shape)[None]
     if shape.documents and not shape.ids:
@@ -103,19 +135,22 @@ def _triton(shape, q, k, v):
         q, k, v = (x[0].transpose(0, 1).contiguous() for x in (q, k, v))  # packed (total, H, D)
 
         def forward():
-            return triton_attention.varlen_forward(q, k, v, *lengths, **masking)
+            return kernels.varlen_forward(q, k, v, *lengths, **masking)
 
         def backward(dout, out, lse):
-            return triton_attention.varlen_backward(dout, q, k, v, out, lse, *lengths, **masking)
+            return kernels.varlen_backward(dout, q, k, v, out, lse, *lengths, **masking)
     else:
         masking.update(q_offset=shape.q_offset, k_offset=shape.k_offset)
 
         def forward():
-            return triton_attention.attention_forward(q, k, v, **masking)
+            return kernels.attention_forward(q, k, v, **masking)
 
         def backward(dout, out, lse):
-            return triton_attention.attention_backward(dout, q, k, v, out, lse, **masking)
+            return kernels.attention_backward(dout, q, k, v, out, lse, **masking)
     return forward, backward
+
+
+OURS = {"op": _kernels(dispatch), "triton": _kernels(triton_attention)}
 
 
 def _sdpa(backend):
@@ -152,7 +187,13 @@ def _flex(shape, q, k, v):
     def capped(score, b, h, q_idx, kv_idx):
         return shape.softcap * torch.tanh(score / shape.softcap)
 
-    block_mask = create_block_mask(visible, None, None, shape.s, shape.s)
+    padding = _key_padding(shape) if shape.padding else None
+
+    def visible_unpadded(b, h, q_idx, kv_idx):
+        return visible(b, h, q_idx, kv_idx) & padding[b, kv_idx]
+
+    mask = visible_unpadded if shape.padding else visible
+    block_mask = create_block_mask(mask, shape.batch if shape.padding else None, None, shape.s, shape.s)
     torch._functorch.config.donated_buffer = False  # the backward is timed again and again, with retain_graph
     # each shape compiled afresh and static: a recompile would otherwise make the shape dynamic,
     # and the peer's speed would depend on the shapes run before it (ring step: 359 or 392 fwd)
@@ -165,7 +206,46 @@ def _flex(shape, q, k, v):
     return forward
 
 
-PEERS = {"cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION), "flash": _sdpa(SDPBackend.FLASH_ATTENTION), "flex": _flex}
+def _fa4(shape, q, k, v):
+    """FlashAttention-4 as a user calls it: flash_attn_func on (B, S, H, D), or flash_attn_varlen_func
+    on packed documents (document ids included) and on a padded batch (its rows' runs as
+    cu_seqlens with seqused, computing the real rows only); out comes back as a (B, H, S, D) view."""
+    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+
+    options = dict(softmax_scale=shape.d_qk ** -0.5, softcap=shape.softcap)
+    bshd = [x.transpose(1, 2) for x in (q, k, v)]
+    if shape.documents:
+        cu = torch.tensor((0, *shape.documents), device="cuda").cumsum(0).int()
+        packed = [x.flatten(0, 1) for x in bshd]
+        longest = max(shape.documents)
+        sides = fa4.window_sides(shape.is_causal, shape.window, 0, 0, 0)
+
+        def forward():
+            out = flash_attn_varlen_func(*packed, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                                         max_seqlen_k=longest, window_size=sides, **options)[0]
+            return out[None].transpose(1, 2)
+    elif shape.padding:
+        lengths = torch.tensor(shape.padding, device="cuda", dtype=torch.int32)
+        starts = torch.arange(shape.batch + 1, device="cuda", dtype=torch.int32) * shape.s
+        if shape.left:
+            starts = starts + torch.cat([shape.s - lengths, lengths.new_zeros(1)])
+        packed = [x.flatten(0, 1) for x in bshd]
+
+        def forward():
+            out = flash_attn_varlen_func(*packed, cu_seqlens_q=starts, cu_seqlens_k=starts, seqused_q=lengths,
+                                         seqused_k=lengths, max_seqlen_q=shape.s, max_seqlen_k=shape.s,
+                                         causal=shape.is_causal, **options)[0]
+            return out.unflatten(0, (shape.batch, shape.s)).transpose(1, 2)
+    else:
+        sides = fa4.window_sides(shape.is_causal, shape.window, shape.s, shape.s, shape.k_offset - shape.q_offset)
+
+        def forward():
+            return flash_attn_func(*bshd, window_size=sides, **options)[0].transpose(1, 2)
+    return forward
+
+
+PEERS = {"cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION), "flash": _sdpa(SDPBackend.FLASH_ATTENTION), "fa4": _fa4,
+         "flex": _flex}
 
 
 def _median_ms(fn) -> float:
@@ -173,7 +253,10 @@ def _median_ms(fn) -> float:
 
 
 def _runs(peer, shape, flex_everywhere):
-    """The SDPA backends take the shapes is_causal expresses, flex_attention the others."""
+    """The SDPA backends take the shapes is_causal expresses, FA4 every shape, flex_attention the
+    others."""
+    if peer == "fa4":
+        return True
     return (flex_everywhere or not shape.plain) if peer == "flex" else shape.plain
 
 
@@ -200,10 +283,13 @@ def measure(shape: Shape, peers, flex_everywhere=False):
     """{kernel: None where it does not run the shape, else (fwd, bwd) TFLOP/s or error strings}."""
     torch.manual_seed(0)
     q, k, v, dout = _inputs(shape)
-    forward, backward = _triton(shape, q, k, v)
-    out, lse = forward()
     packed_dout = dout[0].transpose(0, 1).contiguous() if shape.documents and not shape.ids else dout
-    times = {"triton": (_median_ms(forward), _median_ms(lambda: backward(packed_dout, out, lse)))}
+    times = {}
+    for name, make in OURS.items():
+        forward, backward = make(shape, q, k, v)
+        out, lse = forward()
+        times[name] = (_median_ms(forward), _median_ms(lambda: backward(packed_dout, out, lse)))
+        del out, lse
     for name in peers:
         times[name] = _measure_peer(PEERS[name], shape, q, k, v, dout) if _runs(name, shape, flex_everywhere) else None
     flops = (shape.flops(), 2.5 * shape.flops())
@@ -224,12 +310,13 @@ def _cell(result, index):
 
 
 def _ratio(results, index):
-    peers = [_rate(r, index) for name, r in results.items() if name != "triton" and _rate(r, index) is not None]
-    return f"{results['triton'][index] / max(peers):.2f}" if peers else "-"
+    """The op against the best peer (the Triton kernels are part of the op, not a peer)."""
+    peers = [_rate(r, index) for name, r in results.items() if name not in OURS and _rate(r, index) is not None]
+    return f"{results['op'][index] / max(peers):.2f}" if peers else "-"
 
 
 def table(rows, peers) -> str:
-    kernels = ["triton", *peers]
+    kernels = [*OURS, *peers]
     head = ["shape", *(f"{k} fwd" for k in kernels), "fwd vs best", *(f"{k} bwd" for k in kernels), "bwd vs best"]
     lines = [head]
     for shape, results in rows:
@@ -250,7 +337,7 @@ def plot(rows, peers, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    kernels = ["triton", *peers]
+    kernels = [*OURS, *peers]
     fig, axes = plt.subplots(1, 2, figsize=(16, 6), sharey=True)
     width = 0.8 / len(kernels)
     for index, (axis, title) in enumerate(zip(axes, ("forward", "backward"))):
@@ -265,9 +352,24 @@ def plot(rows, peers, path):
     fig.savefig(path, dpi=120)
 
 
+def _chosen(shape):
+    """The kernel the dispatch picks for the shape (forward, and backward where it differs)."""
+    q, k, v, _ = _inputs(Shape(shape.name, shape.h_q, shape.h_kv, 128, shape.d_qk, shape.d_v))
+    masking = dict(is_causal=shape.is_causal, window=shape.window, softcap=shape.softcap, q_offset=shape.q_offset,
+                   k_offset=shape.k_offset)
+    if shape.documents and not shape.ids:
+        return "varlen " + dispatch.select_varlen_kernel(q, k, v, is_causal=shape.is_causal, window=shape.window,
+                                                         softcap=shape.softcap)
+    if shape.ids:
+        masking["document_ids"] = torch.zeros(1, 128, dtype=torch.int32, device="cuda")
+    if shape.padding:
+        masking["key_padding_mask"] = torch.ones(1, 128, dtype=torch.bool, device="cuda")
+    return dispatch.select_kernel(q, k, v, **masking)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="bench kernels", description=__doc__.splitlines()[0])
-    parser.add_argument("--peers", default="cudnn,flash,flex", help="comma-separated subset of " + ",".join(PEERS))
+    parser.add_argument("--peers", default="cudnn,flash,fa4,flex", help="comma-separated subset of " + ",".join(PEERS))
     parser.add_argument("--flex-everywhere", action="store_true", help="run flex_attention on SDPA's shapes too")
     parser.add_argument("--only", nargs="*", default=(), help="run only shapes whose name contains one of these")
     parser.add_argument("--plot", help="also draw the table into this PNG (needs matplotlib)")
@@ -276,7 +378,12 @@ def main(argv=None):
     unknown = set(peers) - set(PEERS)
     if unknown:
         parser.error(f"--peers: unknown {sorted(unknown)}")
-    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", __import__("triton").__version__)
+    fa4_version = "absent" if fa4.interface() is None else __import__("importlib.metadata").metadata.version(
+        "flash-attn-4")
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", __import__("triton").__version__,
+          "flash-attn-4", fa4_version)
+    print("op kernels:", "; ".join(f"{shape.name}: {_chosen(shape)}" for shape in SHAPES
+                                    if not args.only or any(word in shape.name for word in args.only)))
     rows = []
     for shape in SHAPES:
         if args.only and not any(word in shape.name for word in args.only):

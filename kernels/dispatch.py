@@ -1,9 +1,11 @@
 """The one place that decides which kernel runs an attention call.
 
-The choice depends only on the call's metadata (see ``Problem``), so forward and backward,
-every rank, and ``explain`` all agree on it. Kernels are tried in order of measured speed
-(BENCHMARKS.md, H100: cuDNN > Triton > flash > efficient); the reference takes everything
-else. Triton is the fused kernel for windows and position offsets (ring steps), which none of
+The choice depends only on the call's metadata (see ``Problem``), so every rank and ``explain``
+agree on it; forward and backward choose each for their own direction. Kernels are tried in
+order of measured speed (BENCHMARKS.md, H100: FlashAttention-4 > cuDNN > Triton > flash >
+efficient, except the softcapped forward, where Triton's is faster than FA4's); the reference
+takes everything else. A backward may run on another kernel than its forward: all of them
+take the same natural-log LSE. Triton is the fused kernel for windows and position offsets (ring steps), which none of
 the aten kernels take, and it reads (B, S) document ids on the device; where it does not run,
 document ids are read on the host and run as packed documents. Packed documents (``varlen_*``)
 try Triton, then FA2's varlen kernel (which pads V for MLA inside its adapter), then one
@@ -24,6 +26,7 @@ import torch
 from . import reference
 from .aten import Cudnn, Efficient, Flash, FlashVarlen
 from .documents import packed, run_bounds, same_document_mask, unpacked
+from .fa4 import FA4, FA4Varlen
 from .problem import Problem, capability
 
 try:
@@ -31,24 +34,33 @@ try:
 except ImportError:  # triton is a Linux-only dependency
     Triton = TritonVarlen = merge_forward = None
 
-FUSED = tuple(kernel for kernel in (Cudnn, Triton, Flash, Efficient) if kernel is not None)
-FUSED_VARLEN = tuple(kernel for kernel in (TritonVarlen, FlashVarlen) if kernel is not None)
+FUSED = tuple(kernel for kernel in (FA4, Cudnn, Triton, Flash, Efficient) if kernel is not None)
+FUSED_VARLEN = tuple(kernel for kernel in (FA4Varlen, TritonVarlen, FlashVarlen) if kernel is not None)
 REFERENCE = "reference"
 
 
-def _fused_kernel(q, k, v, masking, document_ids=None):
-    problem = Problem.of(q, k, v, **masking, document_ids=document_ids)
-    return next((kernel for kernel in FUSED if kernel.supports(problem)), None)
+def _fused_kernel(q, k, v, masking, document_ids=None, backward=False):
+    return _first(FUSED, Problem.of(q, k, v, **masking, document_ids=document_ids, backward=backward))
+
+
+def _first(kernels, problem):
+    """The first of ``kernels`` that takes ``problem``. Triton leads the softcapped forward, where
+    it measured 1.3x FA4's speed."""
+    if problem.softcapped and not problem.backward:
+        kernels = sorted(kernels, key=lambda kernel: kernel.name != "triton")
+    return next((kernel for kernel in kernels if kernel.supports(problem)), None)
 
 
 def select_kernel(q, k, v, document_ids=None, **masking) -> str:
-    """Name of the kernel that runs this call: 'cudnn', 'triton', 'flash', 'efficient' or 'reference'.
+    """Name of the kernel that runs this call: 'fa4', 'cudnn', 'triton', 'flash', 'efficient' or
+    'reference', followed by ' (backward <name>)' where the backward runs on another one.
     Document ids go to a fused kernel that reads them on the device (Triton) where one takes the
     call, else to 'varlen:<kernel>', the packed kernel that runs documents in contiguous runs
     after reading them on the host (ids that come back after another run on the reference)."""
     kernel = _fused_kernel(q, k, v, masking, document_ids)
     if kernel is not None:
-        return kernel.name
+        backward = _fused_kernel(q, k, v, masking, document_ids, backward=True)
+        return kernel.name if backward is kernel else f"{kernel.name} (backward {backward.name})"
     if document_ids is not None:
         if masking.get("key_padding_mask") is not None:  # see _documents_as_varlen
             return REFERENCE
@@ -83,7 +95,7 @@ def attention_forward(q, k, v, *, scale, document_ids=None, **masking):
 def attention_backward(dout, q, k, v, out, lse, *, scale, document_ids=None, **masking):
     """(dq, dk, dv). ``out`` and ``lse`` may be the merged result of several calls (ring steps):
     the gradients are then this call's share."""
-    kernel = _fused_kernel(q, k, v, masking, document_ids)
+    kernel = _fused_kernel(q, k, v, masking, document_ids, backward=True)
     if kernel is not None:
         return kernel.backward(dout, q, k, v, out, lse, scale=scale, document_ids=document_ids, **masking)
     if document_ids is not None:
@@ -114,16 +126,17 @@ def _documents_backward(dout, q, k, v, out, lse, document_ids, scale, masking):
 
 
 def _varlen_kernel_of(problem):
-    return next((kernel for kernel in FUSED_VARLEN if kernel.supports(problem)), None)
+    return _first(FUSED_VARLEN, problem)
 
 
-def _varlen_kernel(q, k, v, masking, aligned=True):
-    return _varlen_kernel_of(Problem.of(*(unpacked(x, 1) for x in (q, k, v)), **masking, aligned=aligned))
+def _varlen_kernel(q, k, v, masking, aligned=True, backward=False):
+    return _varlen_kernel_of(Problem.of(*(unpacked(x, 1) for x in (q, k, v)), **masking, aligned=aligned,
+                                        backward=backward))
 
 
 def select_varlen_kernel(q, k, v, seqused_k=None, **masking) -> str:
     """Name of the kernel that runs these packed documents, with the same lengths in q and k:
-    'triton', 'flash' or 'reference' (the only one that takes ``seqused_k``)."""
+    'fa4', 'triton', 'flash' or 'reference' (the only one that takes ``seqused_k``)."""
     kernel = None if seqused_k is not None else _varlen_kernel(q, k, v, masking)
     return kernel.name if kernel else REFERENCE
 
@@ -133,7 +146,8 @@ def _varlen_entry(q, k, v, cu_seqlens_q, cu_seqlens_k, masking, seqused_k, which
     given (only the reference takes it)."""
     if seqused_k is not None:
         return functools.partial(getattr(reference, which), seqused_k=seqused_k)
-    kernel = _varlen_kernel(q, k, v, masking, aligned=cu_seqlens_q is cu_seqlens_k)
+    kernel = _varlen_kernel(q, k, v, masking, aligned=cu_seqlens_q is cu_seqlens_k,
+                            backward=which == "varlen_backward")
     return getattr(kernel, which.removeprefix("varlen_")) if kernel else getattr(reference, which)
 
 

@@ -31,10 +31,13 @@ class Problem:
     has_documents: bool  # (B, S) document_ids
     offset: bool  # query and key positions differ, and a causal or window mask depends on it
     softcapped: bool = False  # scores capped by softcap * tanh(scores / softcap)
+    window: tuple[int, int] = (-1, -1)  # (left, right), -1 unbounded
+    k_shift: int = 0  # k_offset - q_offset: where the keys start relative to the queries
+    backward: bool = False  # the call is the backward pass
 
     @classmethod
     def of(cls, q, k, v, *, is_causal=False, window=(-1, -1), attn_mask=None, key_padding_mask=None, q_offset=0,
-           k_offset=0, document_ids=None, softcap=0.0, aligned=True):
+           k_offset=0, document_ids=None, softcap=0.0, aligned=True, backward=False):
         """q, k, v: tensors, or anything with their shape, dtype and device. ``aligned=False``: packed
         documents whose query and key lengths may differ, so their positions need not line up."""
         return cls(
@@ -43,5 +46,5 @@ class Problem:
             is_causal=bool(is_causal), windowed=tuple(window) != (-1, -1), has_mask=attn_mask is not None,
             has_key_padding=key_padding_mask is not None, has_documents=document_ids is not None,
             offset=(bool(is_causal) or tuple(window) != (-1, -1)) and (q_offset != k_offset or not aligned),
-            softcapped=bool(softcap),
+            softcapped=bool(softcap), window=tuple(window), k_shift=k_offset - q_offset, backward=backward,
         )

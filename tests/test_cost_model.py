@@ -4,7 +4,7 @@ import dataclasses
 import pytest
 import torch
 
-from attn_compile.cost_model import Hardware, Problem, choose, estimate
+from attn_compile.cost_model import Hardware, Problem, _exchange_seconds, choose, estimate, fastest, options
 
 
 def _problem(**overrides):
@@ -101,3 +101,66 @@ def test_full_tile_share():
     assert [causal.full_tile_share(ranks, one_call=False) for ranks in (2, 4)] == [0.5, 0.75]
     assert causal.full_tile_share(4, one_call=True) == window.full_tile_share(4, one_call=False) == 0.0
     assert full.full_tile_share(4, one_call=True) == full.full_tile_share(4, one_call=False) == 1.0
+
+
+def test_a_ring_across_nodes_moves_at_the_slower_link():
+    """64 GPUs in nodes of 8 joined at 50 GB/s per GPU: the ring over all of them waits for its
+    hops between nodes, and so does the hybrid's ring across nodes, but not its all-to-all inside one."""
+    nodes, one_node = Hardware(gpus_per_node=8, internode_gbps=50.0), Hardware()
+    ring = _problem(s_local=2048, mesh_shape=(64,))
+    assert estimate("ring", ring, nodes).transfer_s == pytest.approx(
+        estimate("ring", ring, one_node).transfer_s * one_node.link_gbps / 50.0)
+    hybrid = _problem(s_local=2048, mesh_shape=(8, 8))
+    inside = estimate("hybrid", dataclasses.replace(hybrid, mesh_shape=(1, 8)), nodes)
+    assert inside.transfer_s == estimate("hybrid", dataclasses.replace(hybrid, mesh_shape=(1, 8)), one_node).transfer_s
+    assert estimate("hybrid", hybrid, nodes).transfer_s > estimate("hybrid", hybrid, one_node).transfer_s
+
+
+def test_all_to_all_across_nodes_sends_the_other_nodes_share_over_the_slower_link():
+    """Over 16 GPUs in 2 nodes of 8, half of what a rank sends leaves its node, over the slower
+    link, while 7/16 moves inside it at the same time; inside one node, 7/8 moves."""
+    hw, sent = Hardware(gpus_per_node=8, internode_gbps=50.0), 1e9
+    assert _exchange_seconds(sent, 16, hw) == pytest.approx(sent * 8 / 16 / (50.0 * hw.a2a_efficiency * 1e9))
+    assert _exchange_seconds(sent, 8, hw) == pytest.approx(sent * 7 / 8 / (hw.link_gbps * hw.a2a_efficiency * 1e9))
+    fast_nodes = dataclasses.replace(hw, internode_gbps=1e6)
+    assert _exchange_seconds(sent, 16, fast_nodes) == pytest.approx(
+        sent * 7 / 16 / (hw.link_gbps * hw.a2a_efficiency * 1e9))
+
+
+def test_past_one_node_the_plan_is_ulysses_inside_nodes_and_the_ring_across():
+    """GQA 32/8 and MLA 16h on 64 GPUs in nodes of 8, at 128K and 1M tokens: Ulysses cannot split the
+    heads 64 ways, the ring over 64 ranks crosses nodes at every step, and all-gather moves the whole
+    K and V between nodes; the hybrid with the all-to-all inside each node (8) and the ring across the
+    nodes (8) is fastest."""
+    hw = Hardware(gpus_per_node=8, internode_gbps=50.0)
+    for heads in ((32, 8, 128, 128), (16, 16, 192, 128)):
+        for seq in (131072, 1048576):
+            h_q, h_kv, d_qk, d_v = heads
+            p = _problem(s_local=seq // 64, h_q=h_q, h_kv=h_kv, d_qk=d_qk, d_v=d_v, mesh_shape=(64,))
+            laid_out = options(p, hw)
+            assert [(o.strategy, o.mesh_shape) for o in laid_out] == [
+                ("ring", (64,)), ("allgather", (64,)), ("ulysses", (64,)), ("hybrid", (32, 2)), ("hybrid", (16, 4)),
+                ("hybrid", (8, 8))]
+            best = fastest(laid_out)
+            assert (best.strategy, best.mesh_shape) == ("hybrid", (8, 8)), (heads, seq)
+
+
+def test_an_option_that_does_not_fit_memory_does_not_run():
+    """All-gather holds the whole sequence's K and V: at 1M tokens on 8 GPUs, more than 20 GB."""
+    p = _problem(s_local=1048576 // 8, mesh_shape=(8,))
+    laid_out = {o.strategy: o for o in options(p, Hardware(gpu_memory_gb=20.0))}
+    assert laid_out["allgather"].reason == (f"needs {laid_out['allgather'].memory_bytes / 1e9:.3g} GB per GPU, more "
+                                            f"than the 20 GB one holds")
+    assert laid_out["allgather"].memory_bytes > 20e9 and not laid_out["ring"].reason
+    assert fastest(options(p, Hardware(gpu_memory_gb=0.1))) is None
+
+
+def test_a_ring_that_cannot_overlap_adds_its_transfers():
+    """With ring_overlap=0 (the transfer's kernel does not run beside the attention kernel) every
+    step's transfer adds to its compute; with 1 the compute-bound ring hides them all."""
+    p = _problem(mesh_shape=(4,))
+    hidden, exposed = estimate("ring", p), estimate("ring", p, Hardware(ring_overlap=0.0))
+    assert hidden.transfer_s < hidden.compute_s / 10
+    assert exposed.time_s == pytest.approx(hidden.time_s + hidden.transfer_s)
+    half = estimate("ring", p, Hardware(ring_overlap=0.5))
+    assert half.time_s == pytest.approx(hidden.time_s + hidden.transfer_s / 2)

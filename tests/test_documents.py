@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from attn_compile import shard_varlen, unshard_varlen
-from attn_compile.cp.documents import DocumentSharding, chunk_bounds
+from attn_compile.cp.documents import DocumentSharding, chunk_bounds, hybrid_shardings
 from attn_compile.cp.tiles import plan_tiles
 from attn_compile.kernels.visibility import effective_window, visible
 from dist_harness import run_distributed
@@ -155,3 +155,36 @@ def test_tiles_compute_every_visible_pair_of_a_document_once(cp, is_causal, layo
                         torch.arange(total), total)
         assert torch.equal(ring[q_tokens], want[q_tokens])
         assert torch.equal(whole[q_tokens], want[q_tokens])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("outer, inner", [(2, 2), (2, 3), (3, 2)])
+def test_hybrid_joins_inner_shards_for_a_ring_across_the_outer_dim(outer, inner, layout):
+    """The buffer an inner group's exchange joins holds its ranks' tokens, described chunk by chunk
+    (each document's chunks that continue one another as one), and the ring over those buffers
+    computes every visible pair of a document once."""
+    window, is_causal = (3, 0), True
+    for lengths in ([1, 0, 1, 2], _random_lengths(outer * inner, seed=outer)):
+        cu = _cu(lengths)
+        sharding = DocumentSharding(cu, outer * inner, layout)
+        document, position = _documents_and_positions(cu)
+        held, total = _held(sharding), cu[-1]
+        joined = []
+        for o in range(outer):
+            inner_sharding, ring = hybrid_shardings(sharding, inner, o)
+            members = held[o * inner:(o + 1) * inner]
+            assert [inner_sharding.local_len(i) for i in range(inner)] == [len(tokens) for tokens in members]
+            joined.append(inner_sharding.join(torch.stack([inner_sharding.pad(t, 0) for t in members]), 0))
+            assert torch.equal(joined[-1], ring.take(torch.arange(total), o, 0))
+            assert torch.equal(inner_sharding.split(joined[-1], 0)[0][:len(members[0])], members[0])
+            _check_chunks(ring.chunks(o), joined[-1], cu)
+            runs = torch.bincount(torch.tensor([c.document for c in ring.chunks(o)], dtype=torch.long),
+                                  minlength=len(lengths))
+            assert runs.max() <= {"zigzag": 2, "contiguous": 1}[layout], "continuing chunks are one"
+        want = ((document[:, None] == document[None, :])
+                & visible(position, position, *effective_window(is_causal, window))).long()
+        for o, q_tokens in enumerate(joined):
+            ring = hybrid_shardings(sharding, inner, o)[1]
+            count = sum(covered(plan_tiles(ring.chunks(o), ring.chunks(k), is_causal, window), q_tokens, k_tokens,
+                                total) for k, k_tokens in enumerate(joined))
+            assert torch.equal(count[q_tokens], want[q_tokens])

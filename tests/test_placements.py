@@ -272,9 +272,9 @@ attn_compile: 1 attention site(s), 1 rewritten, 0 left as is
   [0] test_placements.py:53: q(2, 8, 16, 24) k(2, 2, 16, 24) v(2, 2, 16, 16) -> attn_cp.attention [reference]
 distributed by placements (cost-model estimates, fwd + bwd):
   attention_default: q=(Shard(dim=2),), k=(Shard(dim=2),), v=(Shard(dim=2),) -> context parallel over mesh dim(s) [0]: allgather
-      ring: 294.5 us (compute 0.001462 us, transfer 0.0502 us, memory 0.01465 MiB)
-      allgather: 0.06052 us (compute 0.001462 us, transfer 0.05905 us, memory 0.01953 MiB)
-      ulysses: 0.1587 us (compute 0.001462 us, transfer 0.1573 us, memory 0.009766 MiB)
+      ring: 335.8 us (compute 0.001667 us, transfer 0.0502 us, memory 0.01465 MiB)
+      allgather: 0.06072 us (compute 0.001667 us, transfer 0.05905 us, memory 0.04883 MiB)
+      ulysses: 0.1589 us (compute 0.001667 us, transfer 0.1573 us, memory 0.009766 MiB)
       hybrid: hybrid needs a 2-D mesh""")
 
 

@@ -47,10 +47,8 @@ def _run_strategy(q, k, v, strategy, group_names, scale, is_causal, layout, reco
                                              *documents)
         return out, lse
     if strategy == "hybrid":
-        if cu_seqlens is not None:
-            raise ValueError("strategy='hybrid' does not take packed documents (cu_seqlens); use 'ring', "
-                             "'allgather' or 'ulysses'")
-        out, lse, *_ = ops.hybrid_attention(q, k, v, *group_names, sizes[1], scale, is_causal, layout, *masking)
+        out, lse, *_ = ops.hybrid_attention(q, k, v, *group_names, sizes[1], scale, is_causal, layout, *masking,
+                                            *documents)
         return out, lse
     raise ValueError(f"strategy must be one of {cost_model.STRATEGIES}; got {strategy!r}")
 

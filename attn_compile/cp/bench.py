@@ -3,7 +3,8 @@
 Per-GPU TFLOP/s, forward and forward+backward, of every strategy on causal GQA 32/8 d128 and
 causal MLA 16 heads 192/128 in bf16, beside the single-GPU local kernels at the same per-GPU
 work (a sequence of S/sqrt(N) tokens) and PyTorch's experimental ``context_parallel`` (both
-rotate methods). FLOPs = 2·B·H_q·S²·(d_qk+d_v), halved for causal; fwd+bwd counts 3.5×.
+rotate methods). The ``auto`` row runs ``strategy="auto"`` on the world group and names the
+strategy the cost model chose for it. FLOPs = 2·B·H_q·S²·(d_qk+d_v), halved for causal; fwd+bwd counts 3.5×.
 
 Timing is the median over calls with the L2 cache flushed before each, as
 ``triton.testing.do_bench`` does, but with fixed counts: do_bench sizes its repeat count from a
@@ -12,7 +13,8 @@ collectives. Every rank reports the slowest rank's median. The local kernels are
 way, so every row is measured alike.
 
 ``--check``: bf16 context-parallel output and gradients against float32 single-GPU results,
-relative error (norm of error / norm of reference) at most 2.5e-2.
+relative error (norm of error / norm of reference) at most 2.5e-2, then the packed documents'
+check of bench_documents.py (only that one with ``--documents``).
 
 ``--documents``: packed documents (THD) with a sliding window instead; see bench_documents.py.
 
@@ -31,8 +33,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from attn_compile.kernels import attention_backward, attention_forward
 
-from .api import context_parallel_attention
-from .comm import all_gather_stacked, all_to_all_stacked, pass_round, wait
+from .api import choose_strategy, context_parallel_attention
+from .comm import all_gather_stacked, all_to_all_stacked, pass_round, process_groups, wait
 from .layout import shard_sequence, unshard_sequence
 
 CONFIGS = {  # name: (h_q, h_kv, d_qk, d_v)
@@ -124,6 +126,11 @@ def _row(name, tflops, local=None, peer=None):
     return text
 
 
+def auto_name(q, k, v, groups) -> str:
+    """The row name of causal ``strategy="auto"`` on these shards and groups: what it chose."""
+    return f"auto -> {choose_strategy(q, k, v, groups, is_causal=True)}"
+
+
 def benchmark(seqs, groups) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch_cp_mesh = init_device_mesh(DEVICE, (world,))
@@ -147,13 +154,14 @@ def benchmark(seqs, groups) -> None:
             peers.append([f / t for f, t in zip(per_gpu, ms)])
             lines.append(_row(f"torch CP {rotate}", peers[-1], local))
         best_peer = max(peers, key=lambda p: p[1]) if peers else None
-        for strategy, group in _runnable(groups, h_q, world):
+        for strategy, group in [*_runnable(groups, h_q, world), ("auto", dist.group.WORLD)]:
             q, k, v = (shard_sequence(x, group).detach().requires_grad_()
                        for x in _inputs(h_q, h_kv, d_qk, d_v, seq, requires_grad=False))
             fwd, fwd_bwd = _fwd_and_bwd(lambda q, k, v: context_parallel_attention(
                 q, k, v, group=group, strategy=strategy, is_causal=True), q, k, v)
             ms = _collective_median_ms(fwd), _collective_median_ms(fwd_bwd)
-            lines.append(_row(strategy, [f / t for f, t in zip(per_gpu, ms)], local, best_peer))
+            name = strategy if strategy != "auto" else auto_name(q, k, v, process_groups(group))
+            lines.append(_row(name, [f / t for f, t in zip(per_gpu, ms)], local, best_peer))
     if rank == 0:
         print("\n".join(lines), flush=True)
 
@@ -225,16 +233,15 @@ def main(argv=None) -> int:
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl")
     try:
-        if args.documents:
-            from . import bench_documents
+        from . import bench_documents
 
-            if args.check:
-                return int(bench_documents.check(dist.get_world_size()) > 0)
-            bench_documents.benchmark(dist.get_world_size())
-            return 0
         groups = _groups(dist.get_world_size())
-        if args.check:
-            return int(sum(check(seq, groups) for seq in (args.seq or [8192])) > 0)
+        if args.check:  # packed documents are checked with or without --documents
+            dense = 0 if args.documents else sum(check(seq, groups) for seq in (args.seq or [8192]))
+            return int(dense + bench_documents.check(groups) > 0)
+        if args.documents:
+            bench_documents.benchmark(groups)
+            return 0
         if args.links:
             link_bandwidth()
             return 0

@@ -1,12 +1,13 @@
 """Packed documents and sliding windows under context parallelism: the ``--documents`` part of
 ``torchrun --nproc-per-node N -m attn_compile.bench cp``.
 
-``check``: bf16 ``varlen_attention`` under every strategy against float32 on one GPU (the local
-op on the whole batch), for windows (1024, 0), (1024, 1024) and (-1, -1), causal and full,
-GQA + MLA heads, on mixed document lengths including 1 and ones shorter than 2·cp.
+``check``: bf16 ``varlen_attention`` under every strategy (the hybrid on a (N/2, 2) mesh from 4
+GPUs on) against float32 on one GPU (the local op on the whole batch), for windows (1024, 0),
+(1024, 1024) and (-1, -1), causal and full, GQA + MLA heads, on mixed document lengths including
+1 and ones shorter than 2·cp.
 
 ``benchmark``: 128K tokens of mixed document lengths, causal GQA 32/8 d128, per-GPU TFLOP/s of
-each strategy with a window of 4096 (flash-attn's left window), beside the same without a window,
+every strategy (the hybrid as in ``check``) with a window of 4096 (flash-attn's left window), beside the same without a window,
 the same with every document padded to a multiple of 2·cp (what TransformerEngine requires), and
 the single-GPU op on the whole batch. FLOPs count only the visible (query, key) pairs.
 """
@@ -18,12 +19,11 @@ import torch.distributed as dist
 
 from attn_compile.varlen import varlen_attention
 
-from .bench import CHECK_TOLERANCE, DEVICE, _collective_median_ms, _fwd_and_bwd, _rel_err
+from .bench import CHECK_TOLERANCE, DEVICE, _collective_median_ms, _fwd_and_bwd, _rel_err, _runnable
 from .documents import shard_varlen, unshard_varlen
 
 HEADS = (32, 8, 128, 128)  # GQA 32/8 d128
 CHECK_HEADS = (16, 2, 192, 128)  # GQA + MLA
-STRATEGIES = ("ring", "allgather", "ulysses")
 
 
 def mixed_lengths(total: int, seed: int, shortest: int = 512, longest: int = 32768, tiny=()) -> list[int]:
@@ -53,9 +53,9 @@ def _inputs(total, heads, dtype, requires_grad=False):
             for h, d in ((h_q, d_qk), (h_kv, d_qk), (h_kv, d_v))]
 
 
-def check(world: int) -> int:
-    """Returns the number of failed cases."""
-    group = dist.group.WORLD
+def check(groups) -> int:
+    """Every strategy of ``groups`` (``bench._groups``); returns the number of failed cases."""
+    world = dist.get_world_size()
     lengths = mixed_lengths(16384, seed=0, shortest=64, longest=4096, tiny=(1, 2 * world - 1, 1))
     cu, longest = _cu(lengths), max(lengths)
     lines = [f"check: bf16 varlen_attention under CP vs float32 on one GPU, {len(lengths)} documents, "
@@ -69,7 +69,7 @@ def check(world: int) -> int:
         out = varlen_attention(q, k, v, cu, cu, longest, longest, **masking)
         dout = torch.randn_like(out)
         want = (out, *torch.autograd.grad(out, (q, k, v), dout))
-        for strategy in STRATEGIES:
+        for strategy, group in _runnable(groups, CHECK_HEADS[0], world):
             local = [shard_varlen(x.detach().bfloat16(), cu, group)[0].requires_grad_() for x in (q, k, v)]
             out_local = varlen_attention(*local, cu, cu, longest, longest, group=group, strategy=strategy, **masking)
             grads = torch.autograd.grad(out_local, local, shard_varlen(dout.bfloat16(), cu, group)[0])
@@ -98,8 +98,7 @@ def _local_ms(lengths, window):
     return _collective_median_ms(fwd), _collective_median_ms(fwd_bwd)
 
 
-def _cp_ms(lengths, window, strategy):
-    group = dist.group.WORLD
+def _cp_ms(lengths, window, strategy, group):
     cu, longest = _cu(lengths), max(lengths)
     local = [shard_varlen(x, cu, group)[0].detach().requires_grad_()
              for x in _inputs(sum(lengths), HEADS, torch.bfloat16)]
@@ -108,7 +107,9 @@ def _cp_ms(lengths, window, strategy):
     return _collective_median_ms(fwd), _collective_median_ms(fwd_bwd)
 
 
-def benchmark(world: int, total: int = 131072, window=(4096, 0)) -> None:
+def benchmark(groups, total: int = 131072, window=(4096, 0)) -> None:
+    """Every strategy of ``groups`` (``bench._groups``)."""
+    world = dist.get_world_size()
     lengths = mixed_lengths(total, seed=0)
     padded = [-(-n // (2 * world)) * 2 * world for n in lengths]
     lines = [f"packed documents under CP, {world}x {torch.cuda.get_device_name()}, bf16, causal GQA 32/8 d128, "
@@ -120,10 +121,10 @@ def benchmark(world: int, total: int = 131072, window=(4096, 0)) -> None:
     for case_window in (window, (-1, -1)):
         local = _tflops_per_gpu(lengths, case_window, _local_ms(lengths, case_window), 1)
         lines.append(f"  {'local':17s} {str(case_window):>10s} {local[0]:7.0f} {local[1]:8.0f}")
-        for strategy, pad in itertools.product(STRATEGIES, (False, True)):
+        for (strategy, group), pad in itertools.product(_runnable(groups, HEADS[0], world), (False, True)):
             if pad and case_window != window:
                 continue
-            ms = _cp_ms(padded if pad else lengths, case_window, strategy)
+            ms = _cp_ms(padded if pad else lengths, case_window, strategy, group)
             tflops = _tflops_per_gpu(lengths, case_window, ms, world)  # padding is overhead, not work
             name = f"{strategy}{' padded' if pad else ''}"
             lines.append(f"  {name:17s} {str(case_window):>10s} {tflops[0]:7.0f} {tflops[1]:8.0f}   "

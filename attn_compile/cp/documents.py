@@ -6,7 +6,11 @@ in order. A document shorter than 2·cp leaves some chunks empty: no document le
 refused and no padding token is ever seen by the caller. Ranks may then hold different numbers
 of tokens; the collectives move shards padded at the end to the longest one (``shard_len``),
 and no chunk covers a padding row, so padding is never attended and gets no gradient.
+
+The hybrid strategy joins the shards of each inner mesh group into one buffer and runs a ring
+over those buffers: ``hybrid_shardings`` describes both levels (their chunks are uneven too).
 """
+import dataclasses
 import functools
 import itertools
 from dataclasses import dataclass
@@ -23,65 +27,31 @@ def chunk_bounds(length: int, pieces: int) -> list[int]:
     return [i * base + min(i, extra) for i in range(pieces + 1)]
 
 
-@dataclass(frozen=True)
-class DocumentSharding:
-    cu_seqlens: tuple  # the whole batch's cumulative document lengths, starting at 0
-    cp: int
-    layout: str
-
-    @functools.cached_property
-    def _ranks(self) -> list[tuple[list[Chunk], list[tuple[int, int]]]]:
-        """Per rank: its chunks, and the (start, end) token ranges of the whole batch it holds."""
-        pieces = self.cp * chunks_per_rank(self.layout)
-        ranks = [([], []) for _ in range(self.cp)]
-        rows = [0] * self.cp
-        for document, (start, end) in enumerate(itertools.pairwise(self.cu_seqlens)):
-            bounds = chunk_bounds(end - start, pieces)
-            for rank, (chunks, ranges) in enumerate(ranks):
-                for piece in chunk_ids(rank, self.cp, self.layout):
-                    lo, hi = bounds[piece], bounds[piece + 1]
-                    if hi > lo:
-                        chunks.append(Chunk(rows[rank], lo, hi - lo, document))
-                        ranges.append((start + lo, start + hi))
-                        rows[rank] += hi - lo
-        return ranks
+class ChunkSharding:
+    """What a sharding of uneven shards derives from ``held``: per rank, its ``Chunk``s in shard
+    order and the (start, end) rows of the whole buffer each one holds. A subclass gives ``held``,
+    ``cp`` and ``total`` (the whole buffer's rows)."""
 
     def local_len(self, rank: int) -> int:
-        return sum(chunk.length for chunk in self._ranks[rank][0])
+        return sum(chunk.length for chunk in self.held[rank][0])
 
     @functools.cached_property
     def shard_len(self) -> int:
         return max(self.local_len(rank) for rank in range(self.cp))
 
-    @functools.cached_property
-    def max_seqlen(self) -> int:
-        return max(b - a for a, b in itertools.pairwise(self.cu_seqlens))
-
     def chunks(self, rank: int) -> tuple[Chunk, ...]:
-        return tuple(self._ranks[rank][0])
-
-    def whole_chunks(self) -> tuple[Chunk, ...]:
-        """The whole batch (``join``'s result), one chunk per document."""
-        return tuple(Chunk(start, 0, end - start, document)
-                     for document, (start, end) in enumerate(itertools.pairwise(self.cu_seqlens)) if end > start)
-
-    def local_cu_seqlens(self, rank: int) -> list[int]:
-        """Cumulative lengths of the documents' parts on rank (a document's two chunks are one part)."""
-        lengths = [0] * (len(self.cu_seqlens) - 1)
-        for chunk in self._ranks[rank][0]:
-            lengths[chunk.document] += chunk.length
-        return [0, *itertools.accumulate(lengths)]
+        return tuple(self.held[rank][0])
 
     @functools.cached_property
     def _indices(self) -> list[torch.Tensor]:
-        """Per rank, the batch's rows it holds, in shard order."""
+        """Per rank, the whole buffer's rows it holds, in shard order."""
         return [torch.cat([torch.arange(a, b) for a, b in ranges]) if ranges else torch.zeros(0, dtype=torch.long)
-                for _, ranges in self._ranks]
+                for _, ranges in self.held]
 
     @functools.cached_property
     def _slots(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """For each row of the batch, the rank that holds it and its row in that rank's shard."""
-        ranks, rows = (torch.empty(self.cu_seqlens[-1], dtype=torch.long) for _ in range(2))
+        """For each row of the whole buffer, the rank that holds it and its row in that rank's shard."""
+        ranks, rows = (torch.empty(self.total, dtype=torch.long) for _ in range(2))
         for rank, index in enumerate(self._indices):
             ranks[index], rows[index] = rank, torch.arange(len(index))
         return ranks, rows
@@ -115,8 +85,97 @@ class DocumentSharding:
         return shards
 
     def join(self, shards: torch.Tensor, dim: int) -> torch.Tensor:
-        """The whole batch from the stacked padded shards (``split`` undone), gathered in one pass."""
+        """The whole buffer from the stacked padded shards (``split`` undone), gathered in one pass."""
         return shards.movedim(0, dim)[self._at(shards, dim, self._slots)]
+
+
+@dataclass(frozen=True)
+class DocumentSharding(ChunkSharding):
+    cu_seqlens: tuple  # the whole batch's cumulative document lengths, starting at 0
+    cp: int
+    layout: str
+
+    @property
+    def total(self) -> int:
+        return self.cu_seqlens[-1]
+
+    @functools.cached_property
+    def held(self) -> tuple:
+        """Every document cut into ``pieces`` chunks, rank r taking ``chunk_ids``' chunks of each."""
+        pieces = self.cp * chunks_per_rank(self.layout)
+        ranks = [([], []) for _ in range(self.cp)]
+        rows = [0] * self.cp
+        for document, (start, end) in enumerate(itertools.pairwise(self.cu_seqlens)):
+            bounds = chunk_bounds(end - start, pieces)
+            for rank, (chunks, ranges) in enumerate(ranks):
+                for piece in chunk_ids(rank, self.cp, self.layout):
+                    lo, hi = bounds[piece], bounds[piece + 1]
+                    if hi > lo:
+                        chunks.append(Chunk(rows[rank], lo, hi - lo, document))
+                        ranges.append((start + lo, start + hi))
+                        rows[rank] += hi - lo
+        return tuple((tuple(chunks), tuple(ranges)) for chunks, ranges in ranks)
+
+    @functools.cached_property
+    def max_seqlen(self) -> int:
+        return max(b - a for a, b in itertools.pairwise(self.cu_seqlens))
+
+    def whole_chunks(self) -> tuple[Chunk, ...]:
+        """The whole batch (``join``'s result), one chunk per document."""
+        return tuple(Chunk(start, 0, end - start, document)
+                     for document, (start, end) in enumerate(itertools.pairwise(self.cu_seqlens)) if end > start)
+
+    def local_cu_seqlens(self, rank: int) -> list[int]:
+        """Cumulative lengths of the documents' parts on rank (a document's two chunks are one part)."""
+        lengths = [0] * (len(self.cu_seqlens) - 1)
+        for chunk in self.held[rank][0]:
+            lengths[chunk.document] += chunk.length
+        return [0, *itertools.accumulate(lengths)]
+
+
+@dataclass(frozen=True)
+class GivenSharding(ChunkSharding):
+    """A sharding given rank by rank (``held``), over a whole buffer of ``total`` rows."""
+    held: tuple
+    total: int
+
+    @property
+    def cp(self) -> int:
+        return len(self.held)
+
+
+def _join(sharding: ChunkSharding, ranks) -> tuple:
+    """The shards of ``ranks`` joined into one buffer, their chunks in (document, position) order:
+    (the buffer's (chunks, rows of the whole buffer), a ``GivenSharding`` of the buffer over ``ranks``).
+    Chunks that continue one another become one chunk of the buffer."""
+    held = sorted(((rank, i, chunk, rows) for rank in ranks
+                   for i, (chunk, rows) in enumerate(zip(*sharding.held[rank]))),
+                  key=lambda item: (item[2].document, item[2].position))
+    chunks, wholes, joined_rows, row = [], [], {}, 0
+    for rank, i, chunk, (start, end) in held:
+        joined_rows[rank, i] = (row, row + chunk.length)
+        last = chunks[-1] if chunks else None
+        if last and last.document == chunk.document and last.position + last.length == chunk.position:
+            chunks[-1] = dataclasses.replace(last, length=last.length + chunk.length)
+            wholes[-1] = (wholes[-1][0], end)
+        else:
+            chunks.append(Chunk(row, chunk.position, chunk.length, chunk.document))
+            wholes.append((start, end))
+        row += chunk.length
+    members = tuple((sharding.held[rank][0], tuple(joined_rows[rank, i] for i in range(len(sharding.held[rank][0]))))
+                    for rank in ranks)
+    return (tuple(chunks), tuple(wholes)), GivenSharding(members, row)
+
+
+@functools.lru_cache(maxsize=64)
+def hybrid_shardings(sharding: ChunkSharding, inner_size: int, outer_rank: int) -> tuple[GivenSharding,
+                                                                                        GivenSharding]:
+    """The hybrid's shardings of packed documents on a mesh (outer, inner): (how the inner group of
+    ``outer_rank``, context-parallel ranks ``outer_rank * inner_size ...``, holds the buffer its
+    Ulysses exchange joins, how the outer ring holds those joined buffers)."""
+    joined = [_join(sharding, range(outer * inner_size, (outer + 1) * inner_size))
+              for outer in range(sharding.cp // inner_size)]
+    return joined[outer_rank][1], GivenSharding(tuple(buffer for buffer, _ in joined), sharding.total)
 
 
 @functools.lru_cache(maxsize=64)

@@ -2,55 +2,73 @@
 
 With the context-parallel rank ``outer_rank * inner_size + inner_rank``, the inner group's
 shards, joined by the Ulysses exchange, are exactly the outer rank's shard of the same layout
-over ``outer_size`` ranks: the ring runs on them unchanged. Packed documents are not taken:
-their uneven chunks do not join that way.
+over ``outer_size`` ranks: the ring runs on them unchanged. Packed documents' chunks are uneven,
+so there the joined buffers and the ring over them are described chunk by chunk
+(``documents.hybrid_shardings``), and the backward exchanges q, k, v, out and the LSE again, as
+Ulysses does for them.
 """
+from typing import Optional
+
 import torch
 from torch import Tensor
 
-from .checks import check_call
+from .checks import check_call, sharding_of
 from .comm import resolve, sized_group
+from .documents import hybrid_shardings
 from .layout import SequenceSharding
 from .registration import fake_result, register_head_exchange
 from .ring import ring_backward, ring_forward
-from .ulysses import exchange_backward, exchange_forward, fake_head_shards
+from .ulysses import exchange_backward, exchange_forward, fake_head_shards, kept_head_shards, saved_head_shards
 
 
-def _shardings(shard_len, outer, inner, layout):
-    """(inner group's, outer ring's) shardings of the sequence, from the local shard length."""
-    return (SequenceSharding(inner.size(), layout, shard_len),
-            SequenceSharding(outer.size(), layout, shard_len * inner.size()))
+def _shardings(sharding, outer, inner):
+    """(inner group's, outer ring's) shardings, from the whole context-parallel group's."""
+    if isinstance(sharding, SequenceSharding):
+        return (SequenceSharding(inner.size(), sharding.layout, sharding.shard_len),
+                SequenceSharding(outer.size(), sharding.layout, sharding.shard_len * inner.size()))
+    return hybrid_shardings(sharding, inner.size(), outer.rank())
+
+
+def _groups(outer_group_name, inner_group_name, inner_group_size):
+    return (*resolve([outer_group_name]), sized_group(inner_group_name, inner_group_size))
 
 
 @torch.library.custom_op("attn_cp::hybrid_attention", mutates_args=())
 def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, outer_group_name: str, inner_group_name: str,
                      inner_group_size: int, scale: float, is_causal: bool, layout: str, window_left: int = -1,
-                     window_right: int = -1) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(out, lse, q_h, k_h, v_h, out_h, lse_h): the inner group's head shards, for the backward."""
-    outer, inner = groups = (*resolve([outer_group_name]), sized_group(inner_group_name, inner_group_size))
+                     window_right: int = -1, cu_seqlens: Optional[Tensor] = None, max_seqlen: int = 0
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(out, lse, q_h, k_h, v_h, out_h, lse_h): the inner group's head shards, for the backward;
+    empty for packed documents."""
+    outer, inner = groups = _groups(outer_group_name, inner_group_name, inner_group_size)
     window = (window_left, window_right)
-    check_call(q, k, v, groups, strategy="hybrid", scale=scale, is_causal=is_causal, layout=layout, window=window,
-               head_split=inner.size())
-    inner_sharding, ring_sharding = _shardings(q.shape[2], outer, inner, layout)
-    return exchange_forward(q, k, v, inner, inner_sharding,
-                            lambda *qkv: ring_forward(*qkv, outer, scale, is_causal, window, ring_sharding))
+    sharding = check_call(q, k, v, groups, strategy="hybrid", scale=scale, is_causal=is_causal, layout=layout,
+                          window=window, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, head_split=inner.size())
+    inner_sharding, ring_sharding = _shardings(sharding, outer, inner)
+    out, lse, *heads = exchange_forward(q, k, v, inner, inner_sharding,
+                                        lambda *qkv: ring_forward(*qkv, outer, scale, is_causal, window, ring_sharding))
+    return out, lse, *kept_head_shards(heads, cu_seqlens is not None)
 
 
 @hybrid_attention.register_fake
-def _(q, k, v, outer_group_name, inner_group_name, inner_group_size, *config):
-    return (*fake_result(q, v), *fake_head_shards(q, k, v, inner_group_size))
+def _(q, k, v, outer_group_name, inner_group_name, inner_group_size, scale, is_causal, layout, window_left=-1,
+      window_right=-1, cu_seqlens=None, max_seqlen=0):
+    return (*fake_result(q, v), *fake_head_shards(q, k, v, inner_group_size, packed=cu_seqlens is not None))
 
 
 @torch.library.custom_op("attn_cp::hybrid_attention_backward", mutates_args=())
 def hybrid_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, kv_heads: int,
                               outer_group_name: str, inner_group_name: str, inner_group_size: int, scale: float,
-                              is_causal: bool, layout: str, window_left: int = -1, window_right: int = -1
+                              is_causal: bool, layout: str, window_left: int = -1, window_right: int = -1,
+                              cu_seqlens: Optional[Tensor] = None, max_seqlen: int = 0
                               ) -> tuple[Tensor, Tensor, Tensor]:
-    """q, k, v, out and lse are the forward's head shards."""
-    outer, inner = (*resolve([outer_group_name]), sized_group(inner_group_name, inner_group_size))
+    """q, k, v, out and lse are the forward's head shards; for packed documents, the sequence shards."""
+    outer, inner = groups = _groups(outer_group_name, inner_group_name, inner_group_size)
     window = (window_left, window_right)
-    inner_sharding, ring_sharding = _shardings(dout.shape[2], outer, inner, layout)
-    return exchange_backward(dout, (q, k, v, out, lse), kv_heads, inner, inner_sharding,
+    # for the forward's head shards dout is the one sequence shard at hand
+    inner_sharding, ring_sharding = _shardings(sharding_of(dout, groups, layout, cu_seqlens), outer, inner)
+    heads = saved_head_shards(q, k, v, out, lse, inner, inner_sharding, cu_seqlens is not None)
+    return exchange_backward(dout, heads, kv_heads, inner, inner_sharding,
                              lambda *args: ring_backward(*args, outer, scale, is_causal, window, ring_sharding))
 
 

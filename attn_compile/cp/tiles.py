@@ -56,6 +56,21 @@ def _causal_over_rows(q_chunks, k_chunks, is_causal, window) -> bool:
     )
 
 
+def _cropped(q, k, is_causal, window) -> Tile:
+    """The masked tile of query chunk q against key chunk k, cut to the rows that see a key and the
+    keys a row sees: less work, and a band whose corners reach the tile's edges, which kernels that
+    align their masks to a tile's corner (FA4: bottom-right) express with non-negative sides."""
+    left, right = effective_window(is_causal, window)
+    q_last, k_last = q.position + q.length - 1, k.position + k.length - 1
+    rows = (0 if right == -1 else max(0, k.position - right - q.position),
+            q.length if left == -1 else min(q.length, k_last + left - q.position + 1))
+    cols = (0 if left == -1 else max(0, q.position - left - k.position),
+            k.length if right == -1 else min(k.length, q_last + right - k.position + 1))
+    return Tile(slice(q.row + rows[0], q.row + rows[1]), slice(k.row + cols[0], k.row + cols[1]),
+                dict(is_causal=is_causal, window=window, q_offset=q.position + rows[0],
+                     k_offset=k.position + cols[0]))
+
+
 @functools.lru_cache(maxsize=1024)
 def plan_tiles(q_chunks: tuple, k_chunks: tuple, is_causal: bool, window: tuple = NO_WINDOW) -> tuple[Tile, ...]:
     """Tiles for the query chunks against the key chunks (``layout.Chunk``s)."""
@@ -71,9 +86,7 @@ def plan_tiles(q_chunks: tuple, k_chunks: tuple, is_causal: bool, window: tuple 
     for q in q_chunks:
         keys = by_document.get(q.document, [])
         visibility = {k: classify(q.position, q.length, k.position, k.length, left, right) for k in keys}
-        tiles += [Tile(_rows([q]), _rows([k]), dict(is_causal=is_causal, window=window, q_offset=q.position,
-                                                    k_offset=k.position))
-                  for k in keys if visibility[k] is Visibility.PARTIAL]
+        tiles += [_cropped(q, k, is_causal, window) for k in keys if visibility[k] is Visibility.PARTIAL]
         runs = _adjacent_runs(keys, lambda k: visibility[k] is Visibility.FULL)
         full_keys.append((q, tuple(_rows(run) for run in runs)))
     # adjacent query chunks that see the same keys fully run as one call

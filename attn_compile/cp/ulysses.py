@@ -88,6 +88,19 @@ def exchange_backward(dout, heads, kv_heads, group, sharding, attend_backward):
     return dq, dk.unflatten(1, (-1, repeats)).sum(2), dv.unflatten(1, (-1, repeats)).sum(2)
 
 
+def kept_head_shards(heads, packed: bool) -> list:
+    """What the forward op returns of its head shards: them, or empty tensors for packed documents."""
+    return [x.new_empty(0) for x in heads] if packed else list(heads)
+
+
+def saved_head_shards(q, k, v, out, lse, group, sharding, packed: bool) -> tuple:
+    """The head shards the forward attended, for the backward: as the op kept them, or for packed
+    documents exchanged again from the sequence shards it saved instead."""
+    if not packed:
+        return q, k, v, out, lse
+    return (*to_head_shards_of(q, k, v, group, sharding), *(to_head_shards(x, group, sharding) for x in (out, lse)))
+
+
 def whole_sequence_attention(sharding, scale, is_causal, window):
     """(forward, backward) of attention over the whole sequence, or whole batch of documents."""
     masking = dict(scale=scale, is_causal=is_causal, window=window)
@@ -122,7 +135,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group_name: str, group_si
                           window=window, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, head_split=group_size)
     forward, _ = whole_sequence_attention(sharding, scale, is_causal, window)
     out, lse, *heads = exchange_forward(q, k, v, group, sharding, forward)
-    return out, lse, *(heads if cu_seqlens is None else [x.new_empty(0) for x in heads])
+    return out, lse, *kept_head_shards(heads, cu_seqlens is not None)
 
 
 @ulysses_attention.register_fake
@@ -148,10 +161,8 @@ def ulysses_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, ou
     (group,) = groups = (sized_group(group_name, group_size),)
     sharding = sharding_of(dout, groups, layout, cu_seqlens)
     _, backward = whole_sequence_attention(sharding, scale, is_causal, (window_left, window_right))
-    if cu_seqlens is not None:
-        q, k, v = to_head_shards_of(q, k, v, group, sharding)
-        out, lse = (to_head_shards(x, group, sharding) for x in (out, lse))
-    return exchange_backward(dout, (q, k, v, out, lse), kv_heads, group, sharding, backward)
+    heads = saved_head_shards(q, k, v, out, lse, group, sharding, cu_seqlens is not None)
+    return exchange_backward(dout, heads, kv_heads, group, sharding, backward)
 
 
 register_head_exchange(ulysses_attention, ulysses_attention_backward)

@@ -1,0 +1,240 @@
+"""FlashAttention-4 (``flash-attn-4``, module ``flash_attn.cute``) behind the kernel interface.
+
+FA4 is written in CuTe DSL: it installs from wheels, compiles each kernel variant on its first
+call (2-7 s on an H100) and runs on Hopper (sm90) and Blackwell (sm100). It is imported lazily:
+without it every call goes to the other kernels, exactly as before. ``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1``
+keeps the compiled variants on disk for later processes.
+
+Layout: FA4 takes (B, S, H, D). The op's (B, H, S, D) operands are usually transposed views of
+such projections, so the transposes here are views and FA4 reads the memory as it lies; outputs
+are written straight into the layouts ``result_layout.py`` promises.
+
+Masks: FA4 aligns causal and window masks bottom-right where the query and key lengths differ,
+while the op decides them on global positions (``q_offset + i``, ``k_offset + j``). A band
+``-left <= (k_offset + j) - (q_offset + i) <= right`` is FA4's window ``(left + shift, right -
+shift)`` with ``shift = (k_offset - q_offset) + (S_k - S_q)``; FA4 reads a negative side as
+unbounded, so a tile whose band needs one is not taken (``window_sides``).
+
+Key padding, without a window: a row whose real keys are one run ``[start, end)`` (Hugging Face's
+left or right padding) is exact with FA4's packed path, the run's queries against the run's keys
+(the two lengths agree, so the alignments agree) and, under a causal mask, the queries after the
+run against the whole run, unmasked; queries before the run see no key. The runs are found on the
+device, with no sync. A row whose real keys have holes is recomputed by the Triton kernels: they
+are handed a padding mask that is empty in every other row, which they skip at no cost, and the
+rows are selected on the device.
+
+Refusals found and kept out by ``supports``: float32, head dims over 256 or not a multiple of 8
+(sm100: up to 128, or 192/128, or 256/256), tensor masks, document ids, a window with key padding
+(each row would need its own alignment), and the backward of GQA with ``d_qk != d_v`` ("GQA
+backward requires head_dim == head_dim_v"), which goes to cuDNN.
+"""
+import functools
+
+import torch
+
+from .problem import Problem
+from .result_layout import as_grad, as_out, empty_out
+from .visibility import effective_window
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@functools.cache
+def interface():
+    """``flash_attn.cute.interface``, or None where flash-attn-4 is not installed."""
+    try:
+        from flash_attn.cute import interface as fa4
+    except ImportError:
+        return None
+    return fa4
+
+
+def _head_dims_fit(p: Problem) -> bool:
+    if p.d_qk % 8 or p.d_v % 8:
+        return False
+    if p.sm[0] == 9:
+        return 8 <= p.d_qk <= 256 and 8 <= p.d_v <= 256
+    return (p.d_qk <= 128 and p.d_v <= 128) or (p.d_qk, p.d_v) in ((192, 128), (256, 256))
+
+
+def window_sides(is_causal, window, s_q, s_k, k_shift):
+    """FA4's (window_size_left, window_size_right) for the op's band, None for an unbounded side,
+    or None where FA4 cannot express it (a side would be negative)."""
+    left, right = effective_window(is_causal, tuple(window))
+    shift = k_shift + s_k - s_q
+    sides = (None if left == -1 else left + shift, None if right == -1 else right - shift)
+    return None if any(side is not None and side < 0 for side in sides) else sides
+
+
+def supports(p: Problem) -> bool:
+    if not (p.device_type == "cuda" and p.sm[0] in (9, 10) and p.dtype in _HALF and _head_dims_fit(p)
+            and not p.has_mask and not p.has_documents and interface() is not None):
+        return False
+    if p.backward and p.h_q != p.h_kv and p.d_qk != p.d_v:
+        return False
+    if p.has_key_padding:
+        return not p.windowed and not p.offset and p.s_q == p.s_k
+    return window_sides(p.is_causal, p.window, p.s_q, p.s_k, p.k_shift) is not None
+
+
+def _bshd(x):
+    """(B, H, S, D) -> FA4's (B, S, H, D), a view."""
+    return x.transpose(1, 2)
+
+
+def attention_forward(q, k, v, *, scale, is_causal=False, window=(-1, -1), key_padding_mask=None, q_offset=0,
+                      k_offset=0, softcap=0.0, **_unused_masking):
+    """(out (B, h_q, S_q, d_v) in q's dtype and q's memory order, lse (B, h_q, S_q) float32)."""
+    if key_padding_mask is not None:
+        return _padded_forward(q, k, v, scale, is_causal, key_padding_mask, softcap)
+    out = empty_out(q, v.shape[-1])
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    sides = window_sides(is_causal, window, q.shape[2], k.shape[2], k_offset - q_offset)
+    interface()._flash_attn_fwd(_bshd(q), _bshd(k), _bshd(v), softmax_scale=scale, window_size_left=sides[0],
+                                window_size_right=sides[1], softcap=softcap, out=_bshd(out), lse=lse,
+                                return_lse=True)
+    return out, lse
+
+
+def attention_backward(dout, q, k, v, out, lse, *, scale, is_causal=False, window=(-1, -1), key_padding_mask=None,
+                       q_offset=0, k_offset=0, softcap=0.0, **_unused_masking):
+    """(dq, dk, dv), each in its input's strides, given the final (possibly merged) out and lse."""
+    out = out.to(q.dtype)
+    if key_padding_mask is not None:
+        return _padded_backward(dout, q, k, v, out, lse, scale, is_causal, key_padding_mask, softcap)
+    sides = window_sides(is_causal, window, q.shape[2], k.shape[2], k_offset - q_offset)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    interface()._flash_attn_bwd(_bshd(q), _bshd(k), _bshd(v), _bshd(out), _bshd(dout), lse.contiguous(), scale,
+                                False, softcap, window_size_left=sides[0], window_size_right=sides[1],
+                                dq=_bshd(dq), dk=_bshd(dk), dv=_bshd(dv))
+    return dq, dk, dv
+
+
+# Key padding ---------------------------------------------------------------------------------------------------
+
+
+class _Runs:
+    """Each batch row's real keys as a run [start, start + length), and the rows with holes in it,
+    all found on the device. The packed calls address row b's tokens at ``b * S + start``."""
+
+    def __init__(self, key_padding_mask):
+        batch, s = key_padding_mask.shape
+        positions = torch.arange(s, device=key_padding_mask.device, dtype=torch.int32)
+        start = torch.where(key_padding_mask, positions, s).amin(1)
+        end = torch.where(key_padding_mask, positions + 1, 0).amax(1)
+        self.length = (end - start).clamp_min(0).to(torch.int32)
+        self.holes = key_padding_mask.sum(1, dtype=torch.int32) != self.length
+        rows = torch.arange(batch + 1, device=key_padding_mask.device, dtype=torch.int32) * s
+        self.starts = torch.cat([rows[:-1] + start.clamp_max(s).to(torch.int32), rows[-1:]])
+        self.after = torch.cat([rows[:-1] + end.to(torch.int32), rows[-1:]])
+        self.after_length = (s - end).to(torch.int32).clamp_min(0)
+        self.s = s
+        self.mask = key_padding_mask
+
+    def calls(self, is_causal):
+        """(query segments, their lengths, causal) for each packed call; the keys are the runs."""
+        if not is_causal:  # every query sees the whole run
+            rows = torch.arange(self.length.shape[0] + 1, device=self.length.device, dtype=torch.int32) * self.s
+            return [(rows, None, False)]
+        return [(self.starts, self.length, True), (self.after, self.after_length, False)]
+
+
+def _packed(x):
+    """(B, H, S, D) -> (B * S, H, D): a view where the batch and sequence dims merge, else a copy."""
+    return _bshd(x).flatten(0, 1)
+
+
+def _unpacked(x, like):
+    """A packed (B * S, H, D) result back to (B, H, S, D), copied only where ``like`` wants other strides."""
+    return x.unflatten(0, (like.shape[0], like.shape[2])).transpose(1, 2)
+
+
+def _packing(runs, segments, lengths):
+    return dict(cu_seqlens_q=segments, seqused_q=lengths, cu_seqlens_k=runs.starts, seqused_k=runs.length,
+                max_seqlen_q=runs.s, max_seqlen_k=runs.s)
+
+
+def _triton():
+    from . import triton_attention
+    return triton_attention
+
+
+def _padded_forward(q, k, v, scale, is_causal, key_padding_mask, softcap):
+    runs = _Runs(key_padding_mask)
+    b, h, s, _ = q.shape
+    out = q.new_zeros(b * s, h, v.shape[-1])  # rows no query segment covers see no key
+    lse = torch.full((h, b * s), float("-inf"), dtype=torch.float32, device=q.device)
+    for segments, lengths, causal in runs.calls(is_causal):
+        interface()._flash_attn_fwd(_packed(q), _packed(k), _packed(v), softmax_scale=scale, causal=causal,
+                                    softcap=softcap, out=out, lse=lse, return_lse=True,
+                                    **_packing(runs, segments, lengths))
+    out, lse = as_out(_unpacked(out, q), q), lse.unflatten(1, (b, s)).transpose(0, 1).contiguous()
+    hole_out, hole_lse = _triton().attention_forward(q, k, v, scale=scale, is_causal=is_causal, softcap=softcap,
+                                                     key_padding_mask=key_padding_mask & runs.holes[:, None])
+    holes = runs.holes[:, None, None]
+    return torch.where(holes[..., None], hole_out, out, out=out), torch.where(holes, hole_lse, lse, out=lse)
+
+
+def _padded_backward(dout, q, k, v, out, lse, scale, is_causal, key_padding_mask, softcap):
+    runs = _Runs(key_padding_mask)
+    inputs = [_packed(x) for x in (q, k, v, out, dout)]
+    lse_packed = lse.transpose(0, 1).flatten(1).contiguous()
+    grads = [torch.zeros_like(x) for x in inputs[:3]]  # padding keys and unseen queries get none
+    for n, (segments, lengths, causal) in enumerate(runs.calls(is_causal)):
+        # The queries of the calls differ, their keys (the runs) do not: dK and dV add up.
+        into = grads if n == 0 else [grads[0], *map(torch.zeros_like, grads[1:])]
+        interface()._flash_attn_bwd(*inputs, lse_packed, scale, causal, softcap, dq=into[0], dk=into[1], dv=into[2],
+                                    **_packing(runs, segments, lengths))
+        if n:
+            grads[1] += into[1]
+            grads[2] += into[2]
+    grads = [as_grad(_unpacked(grad, x), x) for grad, x in zip(grads, (q, k, v))]
+    hole_grads = _triton().attention_backward(dout, q, k, v, out, lse, scale=scale, is_causal=is_causal,
+                                              softcap=softcap, key_padding_mask=key_padding_mask & runs.holes[:, None])
+    holes = runs.holes[:, None, None, None]
+    return tuple(torch.where(holes, hole, grad, out=grad) for hole, grad in zip(hole_grads, grads))
+
+
+# Packed documents ----------------------------------------------------------------------------------------------
+
+
+def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale, is_causal=False,
+                   window=(-1, -1), softcap=0.0):
+    """(out (total_q, h_q, d_v), lse (total_q, h_q) float32) of packed documents, each at position 0."""
+    sides = window_sides(is_causal, window, 0, 0, 0)
+    out, lse, *_ = interface()._flash_attn_fwd(
+        q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, softmax_scale=scale, window_size_left=sides[0], window_size_right=sides[1],
+        softcap=softcap, return_lse=True)
+    return out, lse.t().contiguous()
+
+
+def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale,
+                    is_causal=False, window=(-1, -1), softcap=0.0):
+    sides = window_sides(is_causal, window, 0, 0, 0)
+    return interface()._flash_attn_bwd(
+        q, k, v, out.to(q.dtype), dout, lse.t().contiguous(), scale, False, softcap, window_size_left=sides[0],
+        window_size_right=sides[1], cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+
+
+def supports_varlen(p: Problem) -> bool:
+    """Packed documents: their query and key positions must line up (one cu_seqlens tensor) for
+    any mask, FA4 aligning its masks bottom-right."""
+    return supports(p) and not p.offset
+
+
+class FA4:
+    """The dense kernels as dispatch.py sees a kernel."""
+    name = "fa4"
+    supports = staticmethod(supports)
+    forward = staticmethod(attention_forward)
+    backward = staticmethod(attention_backward)
+
+
+class FA4Varlen:
+    """The packed-document kernels as dispatch.py sees a varlen kernel."""
+    name = "fa4"
+    supports = staticmethod(supports_varlen)
+    forward = staticmethod(varlen_forward)
+    backward = staticmethod(varlen_backward)

@@ -1,0 +1,196 @@
+"""On an sm90/sm100 GPU with flash-attn-4 installed: the FA4 kernel module in bf16 against the float64
+oracle, forward and gradients, for every mask class the dispatch hands it, with its outputs
+poisoned first; which kernel the op dispatches each class to; and a CUDA-graph capture.
+Run on the device machine: pytest -m gpu -s tests/test_gpu_fa4.py"""
+import pytest
+import torch
+
+import attn_compile  # noqa: F401
+from attn_compile.kernels import fa4, select_kernel
+from attn_compile.kernels.problem import Problem, capability
+from attn_compile.kernels.result_layout import empty_out
+from oracle import naive_attention, rel_err
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available() or fa4.interface() is None or capability(torch.device("cuda"))[0] not in (9, 10),
+    reason="needs flash-attn-4 on an sm90 or sm100 GPU")]
+TOL = 2e-2
+BF16 = torch.bfloat16
+
+
+def _poison():
+    """Fills the memory the next allocations will reuse with NaN, so a result element that a
+    kernel leaves unwritten shows up."""
+    torch.empty(1 << 28, dtype=BF16, device="cuda").fill_(float("nan"))
+
+
+def _qkv(batch, h_q, h_kv, s_q, s_k, d_qk, d_v, projected=True):
+    """q, k, v as (B, H, S, D); ``projected``: transposed views of (B, S, H, D) tensors, as a model's
+    projections hand them over."""
+    def make(h, s, d):
+        x = torch.randn(batch, s, h, d, device="cuda", dtype=BF16) if projected else \
+            torch.randn(batch, h, s, d, device="cuda", dtype=BF16)
+        return (x.transpose(1, 2) if projected else x).requires_grad_()
+    return make(h_q, s_q, d_qk), make(h_kv, s_k, d_qk), make(h_kv, s_k, d_v)
+
+
+def _check(q, k, v, name, backward=True, **masking):
+    """FA4's forward (and backward) against the oracle; returns the errors."""
+    assert fa4.supports(Problem.of(q, k, v, **masking)), name
+    _poison()
+    out, lse = fa4.attention_forward(q, k, v, scale=q.shape[-1] ** -0.5, **masking)
+    assert out.stride() == empty_out(q, v.shape[-1]).stride(), name
+    want = naive_attention(*(x.detach().cpu() for x in (q, k, v)), **{n: m.cpu() if torch.is_tensor(m) else m
+                                                                       for n, m in masking.items()})
+    errors = {"out": rel_err(out.cpu(), want)}
+    assert not out.isnan().any(), name
+    if backward:
+        assert fa4.supports(Problem.of(q, k, v, **masking, backward=True)), name
+        dout = torch.randn_like(out)
+        _poison()
+        grads = fa4.attention_backward(dout, q.detach(), k.detach(), v.detach(), out, lse, scale=q.shape[-1] ** -0.5,
+                                       **masking)
+        qd, kd, vd = (x.detach().cpu().double().requires_grad_() for x in (q, k, v))
+        ref = naive_attention(qd, kd, vd, **{n: m.cpu() if torch.is_tensor(m) else m for n, m in masking.items()})
+        want_grads = torch.autograd.grad(ref, (qd, kd, vd), dout.cpu().double())
+        for n, g, w, x in zip(("dq", "dk", "dv"), grads, want_grads, (q, k, v)):
+            assert g.shape == x.shape and g.stride() == torch.empty_like(x).stride(), (name, n)
+            errors[n] = rel_err(g.cpu(), w)
+    print(f"\n{name:42s} " + " ".join(f"{n} {e:.1e}" for n, e in errors.items()))
+    assert max(errors.values()) <= TOL, (name, errors)
+    return errors
+
+
+DENSE = {  # name: (batch, h_q, h_kv, s_q, s_k, d_qk, d_v, masking, backward)
+    "mha d128 causal": (2, 8, 8, 256, 256, 128, 128, dict(is_causal=True), True),
+    "mha d128 full": (2, 8, 8, 256, 256, 128, 128, {}, True),
+    "gqa 8/2 d128 causal": (2, 8, 2, 256, 256, 128, 128, dict(is_causal=True), True),
+    "mla 8h 192/128 causal": (2, 8, 8, 256, 256, 192, 128, dict(is_causal=True), True),
+    "gqa+mla 16/2 192/128 causal (fwd)": (2, 16, 2, 256, 256, 192, 128, dict(is_causal=True), False),
+    "window (32, 8)": (2, 8, 2, 256, 256, 128, 128, dict(window=(32, 8)), True),
+    "window (64, -1) causal": (2, 8, 2, 256, 256, 128, 128, dict(window=(64, -1), is_causal=True), True),
+    "softcap 1.5 causal": (2, 8, 2, 256, 256, 128, 128, dict(is_causal=True, softcap=1.5), True),
+    "d256 gqa 4/2 window softcap": (1, 4, 2, 256, 256, 256, 256, dict(window=(64, 0), softcap=5.0), True),
+    "ring tile: causal, queries after keys": (2, 8, 2, 128, 256, 128, 128,
+                                              dict(is_causal=True, q_offset=256, k_offset=0), True),
+    "ring tile: causal square at an offset": (2, 8, 2, 128, 128, 128, 128,
+                                              dict(is_causal=True, q_offset=128, k_offset=128), True),
+    "ring tile: window at an offset": (2, 8, 2, 128, 128, 128, 128,
+                                       dict(window=(160, 0), q_offset=256, k_offset=128), True),
+    "d64 not projected": (2, 4, 4, 200, 200, 64, 64, dict(is_causal=True), True),
+}
+
+
+@pytest.mark.parametrize("name", list(DENSE))
+def test_dense_against_float64(name):
+    torch.manual_seed(0)
+    batch, h_q, h_kv, s_q, s_k, d_qk, d_v, masking, backward = DENSE[name]
+    q, k, v = _qkv(batch, h_q, h_kv, s_q, s_k, d_qk, d_v, projected="not projected" not in name)
+    _check(q, k, v, name, backward=backward, **masking)
+
+
+def test_tile_fa4_cannot_express_is_refused():
+    """A band that needs a negative FA4 side: queries that see keys only from 12 positions back."""
+    q, k, v = _qkv(1, 2, 2, 64, 64, 64, 64)
+    assert not fa4.supports(Problem.of(q, k, v, window=(-1, 8), q_offset=0, k_offset=20))
+
+
+def _padding(lengths, s, left=False, holes=False):
+    rows = []
+    for n in lengths:
+        real = torch.arange(s) >= s - n if left else torch.arange(s) < n
+        if holes and n > 8:
+            real[(s - n if left else 0) + n // 2] = False
+        rows.append(real)
+    return torch.stack(rows).cuda()
+
+
+PADDED = {  # name: (lengths, left, holes, causal)
+    "right padding causal": ([256, 200, 77, 1], False, False, True),
+    "left padding causal": ([256, 200, 77, 1], True, False, True),
+    "right padding full": ([256, 200, 77, 1], False, False, False),
+    "holes causal": ([256, 200, 77, 3], False, True, True),
+    "a row without a real key, causal": ([130, 0], False, False, True),
+}
+
+
+@pytest.mark.parametrize("name", list(PADDED))
+def test_key_padding_against_float64(name):
+    torch.manual_seed(1)
+    lengths, left, holes, causal = PADDED[name]
+    q, k, v = _qkv(len(lengths), 8, 2, 256, 256, 128, 128)
+    _check(q, k, v, name, is_causal=causal, key_padding_mask=_padding(lengths, 256, left, holes))
+
+
+def test_varlen_against_float64():
+    torch.manual_seed(2)
+    lengths = [100, 37, 200, 1]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    total = sum(lengths)
+    q, k, v = (torch.randn(total, h, d, device="cuda", dtype=BF16) for h, d in ((8, 192), (8, 192), (8, 128)))
+    _poison()
+    out, lse = fa4.varlen_forward(q, k, v, cu, cu, max(lengths), max(lengths), scale=192 ** -0.5, is_causal=True,
+                                  window=(50, 0))
+    dout = torch.randn_like(out)
+    grads = fa4.varlen_backward(dout, q, k, v, out, lse, cu, cu, max(lengths), max(lengths), scale=192 ** -0.5,
+                                is_causal=True, window=(50, 0))
+    for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        docs = [x[a:b].transpose(0, 1)[None].cpu().double().requires_grad_() for x in (q, k, v)]
+        want = naive_attention(*docs, is_causal=True, window=(50, 0))
+        got = out[a:b].transpose(0, 1)[None].cpu()
+        want_grads = torch.autograd.grad(want, docs, dout[a:b].transpose(0, 1)[None].cpu().double())
+        errors = [rel_err(got, want)] + [rel_err(g[a:b].transpose(0, 1)[None].cpu(), w)
+                                         for g, w in zip(grads, want_grads)]
+        print(f"\nvarlen document {n} ({b - a} tokens): " + " ".join(f"{e:.1e}" for e in errors))
+        assert max(errors) <= TOL
+    assert lse.shape == (total, 8)
+
+
+DISPATCH = {  # name: (h_q, h_kv, d_qk, d_v, masking, expected)
+    "causal": (8, 8, 128, 128, dict(is_causal=True), "fa4"),
+    "window": (8, 2, 128, 128, dict(window=(64, 0)), "fa4"),
+    "softcap": (8, 2, 128, 128, dict(is_causal=True, softcap=30.0), "triton (backward fa4)"),
+    "gqa+mla": (16, 2, 192, 128, dict(is_causal=True), "fa4 (backward cudnn)"),
+    "ring tile, causal at an offset": (8, 2, 128, 128, dict(is_causal=True, q_offset=256, k_offset=0), "fa4"),
+    "tile FA4 cannot align": (8, 2, 128, 128, dict(window=(-1, 8), q_offset=0, k_offset=20), "triton"),
+    "document ids": (8, 2, 128, 128, dict(is_causal=True, document_ids=torch.zeros(1, 256, dtype=torch.int32)),
+                     "triton"),
+}
+
+
+@pytest.mark.parametrize("name", list(DISPATCH))
+def test_dispatch(name):
+    h_q, h_kv, d_qk, d_v, masking, expected = DISPATCH[name]
+    q, k, v = _qkv(1, h_q, h_kv, 256, 128 if "offset" in name else 256, d_qk, d_v)
+    assert select_kernel(q, k, v, **masking) == expected
+
+
+def test_cuda_graph_capture():
+    """The op, forward and backward through FA4 with key padding, recorded into one CUDA graph
+    and replayed on new data: nothing in it syncs with the host."""
+    torch.manual_seed(3)
+    q, k, v = _qkv(2, 8, 2, 256, 256, 128, 128)
+    mask = _padding([256, 100], 256)
+    static = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    dout = torch.randn(2, 8, 256, 128, device="cuda", dtype=BF16)
+
+    def step():
+        out, _ = torch.ops.attn_cp.attention(*static, None, True, None, key_padding_mask=mask)
+        return (out, *torch.autograd.grad(out, static, dout))
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        results = step()
+    fresh = [torch.randn_like(x) for x in static]
+    with torch.no_grad():
+        for x, new in zip(static, fresh):
+            x.copy_(new)
+    graph.replay()
+    expected = step()  # FA4's backward adds dQ up with atomics, so bits may differ from run to run
+    for got, want in zip(results, expected):
+        assert rel_err(got, want) <= 1e-2
