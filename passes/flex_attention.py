@@ -23,6 +23,7 @@ import operator
 from typing import Optional, Union
 
 import torch
+from torch._functorch import predispatch
 from torch.fx import Node
 
 from .call import AttentionCall, Left
@@ -35,10 +36,9 @@ from .shapes import example_tensor, example_value, hinted_int, hinted_shape
 
 FLEX = torch.ops.higher_order.flex_attention
 # what vmap leaves in a graph around the mask it evaluated, once the mask itself is gone
-_VMAP_BRACKETS = {torch._functorch.predispatch._vmap_increment_nesting,
-                  torch._functorch.predispatch._vmap_decrement_nesting,
-                  torch._functorch.predispatch.lazy_load_decompositions}
-_VMAP_DIMS = {torch._functorch.predispatch._add_batch_dim, torch._functorch.predispatch._remove_batch_dim}
+_VMAP_BRACKETS = {getattr(predispatch, name, None) for name in
+                  ("_vmap_increment_nesting", "_vmap_decrement_nesting", "lazy_load_decompositions")} - {None}
+_VMAP_DIMS = {getattr(predispatch, name, None) for name in ("_add_batch_dim", "_remove_batch_dim")} - {None}
 _NAMES = ("query", "key", "value", "score_mod", "block_mask", "scale", "kernel_options", "score_mod_other_buffers",
           "mask_mod_other_buffers")
 
@@ -109,9 +109,13 @@ def _mask_formula(gm, buffers) -> object:
     return all_of(as_index_comparisons(conjuncts(formula), tracer.trace))
 
 
-def _why_not(node: Node, a: dict, outputs: dict) -> Optional[str]:
-    if set(outputs) != {0} or len(outputs[0]) != 1:
-        return "its LSE or max scores are read" if set(outputs) - {0} else "its output is not read once"
+def _why_not(a: dict, outputs: dict) -> Optional[str]:
+    if None in outputs:
+        return "its result is used other than by indexing it"
+    if set(outputs) - {0}:
+        return "its LSE or max scores are read"
+    if len(outputs.get(0, ())) != 1:
+        return "its output is not read once"
     q, k = example_tensor(a["query"]), example_tensor(a["key"])
     if q is None or k is None or q.dim() != 4:
         return "q, k are not 4-D traced tensors"
@@ -131,7 +135,7 @@ def find(node: Node) -> Union[AttentionCall, Left, None]:
     for user in node.users:
         outputs.setdefault(user.args[1] if user.target is operator.getitem else None, []).append(user)
     tensors = {"q": a["query"], "k": a["key"], "v": a["value"]}
-    reason = _why_not(node, a, outputs)
+    reason = _why_not(a, outputs)
     score_mod, mask_mod = _subgraph(node, a["score_mod"]), _subgraph(node, a["block_mask"][-1])
     if reason is None and (score_mod is None or mask_mod is None):
         reason = "its score_mod or mask_mod is not a subgraph"
