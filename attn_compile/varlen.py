@@ -26,9 +26,10 @@ from .kernels.reference import lse_dtype
 from .ops import default_scale
 
 
-def check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, check_values=False):
-    """Shapes, dtypes and devices; with ``check_values`` also the cumulative lengths' values,
-    which costs a device sync on a GPU and cannot be done on fake tensors."""
+def check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, check_values=False,
+                      seqused_k=None):
+    """Shapes, dtypes and devices; with ``check_values`` also the cumulative lengths' values (and
+    ``seqused_k``'s), which costs a device sync on a GPU and cannot be done on fake tensors."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != 3:
             raise ValueError(f"{name} must be 3-D (total_tokens, heads, dim); got shape {tuple(x.shape)}")
@@ -52,58 +53,70 @@ def check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
             raise ValueError(f"{name} must be a length >= 0; got {value}")
     if window[0] < -1 or window[1] < -1:
         raise ValueError(f"window must be (left, right) with each >= 0, or -1 for unbounded; got {tuple(window)}")
+    if seqused_k is not None and (seqused_k.dim() != 1 or seqused_k.shape[0] != cu_seqlens_k.shape[0] - 1
+                                  or seqused_k.dtype != torch.int32 or seqused_k.device != q.device):
+        raise ValueError(f"seqused_k must be int32 (documents,) = ({cu_seqlens_k.shape[0] - 1},) on q's device; got "
+                         f"{seqused_k.dtype} {tuple(seqused_k.shape)} on {seqused_k.device}")
     if check_values:
         for name, x, cu, longest in (("q", q, cu_seqlens_q, max_seqlen_q), ("k", k, cu_seqlens_k, max_seqlen_k)):
             error = cu_seqlens_error(f"cu_seqlens_{name}", cu.tolist(), x.shape[0], f"{name}.shape[0]", longest,
                                      f"max_seqlen_{name}")
             if error:
                 raise ValueError(error)
+        if seqused_k is not None:
+            lengths = cu_seqlens_k.diff()
+            if bool((seqused_k < 0).any() or (seqused_k > lengths).any()):
+                raise ValueError(f"seqused_k must be between 0 and each document's key count {lengths.tolist()}; "
+                                 f"got {seqused_k.tolist()}")
 
 
 @torch.library.custom_op("attn_cp::varlen_attention", mutates_args=())
 def _varlen_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
                max_seqlen_k: int, is_causal: bool, scale: float, window_left: int, window_right: int,
-               debug: bool) -> tuple[Tensor, Tensor]:
+               debug: bool, seqused_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     window = (window_left, window_right)
     check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window,
-                      check_values=q.device.type == "cpu" or debug)
+                      check_values=q.device.type == "cpu" or debug, seqused_k=seqused_k)
     out, lse = _kernel_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=scale,
-                               is_causal=is_causal, window=window)
+                               is_causal=is_causal, window=window, seqused_k=seqused_k)
     return out.contiguous(), lse.contiguous()
 
 
 @_varlen_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, window_left, window_right,
-      debug):
-    check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, (window_left, window_right))
+      debug, seqused_k=None):
+    check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, (window_left, window_right),
+                      seqused_k=seqused_k)
     return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
 
 
 @torch.library.custom_op("attn_cp::varlen_attention_backward", mutates_args=())
 def _varlen_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
                         cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool, scale: float,
-                        window_left: int, window_right: int) -> tuple[Tensor, Tensor, Tensor]:
+                        window_left: int, window_right: int,
+                        seqused_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     grads = _kernel_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                             scale=scale, is_causal=is_causal, window=(window_left, window_right))
+                             scale=scale, is_causal=is_causal, window=(window_left, window_right), seqused_k=seqused_k)
     return tuple(g.contiguous() for g in grads)
 
 
 @_varlen_backward_op.register_fake
-def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *config):
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *config, seqused_k=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, *config, _debug = inputs
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *config, _debug, seqused_k = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k)
     ctx.config = config
 
 
 def _backward(ctx, dout, _dlse):
-    dq, dk, dv = _varlen_backward_op(dout, *ctx.saved_tensors, *ctx.config)
-    return dq, dk, dv, *[None] * 9
+    *saved, seqused_k = ctx.saved_tensors
+    dq, dk, dv = _varlen_backward_op(dout, *saved, *ctx.config, seqused_k=seqused_k)
+    return dq, dk, dv, *[None] * 10
 
 
 _varlen_op.register_autograd(_backward, setup_context=_setup_context)

@@ -19,6 +19,8 @@ global positions ``q_offset + i`` / ``k_offset + j``. All that apply are ANDed. 
 caps the scaled scores before the masks (``softcap * tanh(scores / softcap)``); only Triton and
 the reference take it.
 """
+import functools
+
 import torch
 
 from . import reference
@@ -132,27 +134,36 @@ def _varlen_kernel(q, k, v, masking, aligned=True, backward=False):
                                         backward=backward))
 
 
-def select_varlen_kernel(q, k, v, **masking) -> str:
+def select_varlen_kernel(q, k, v, seqused_k=None, **masking) -> str:
     """Name of the kernel that runs these packed documents, with the same lengths in q and k:
-    'fa4', 'triton', 'flash' or 'reference'."""
-    kernel = _varlen_kernel(q, k, v, masking)
+    'fa4', 'triton', 'flash' or 'reference' (the only one that takes ``seqused_k``)."""
+    kernel = None if seqused_k is not None else _varlen_kernel(q, k, v, masking)
     return kernel.name if kernel else REFERENCE
 
 
-def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale, **masking):
+def _varlen_entry(q, k, v, cu_seqlens_q, cu_seqlens_k, masking, seqused_k, which: str):
+    """The kernel's forward or backward for these packed documents, with ``seqused_k`` bound where
+    given (only the reference takes it)."""
+    if seqused_k is not None:
+        return functools.partial(getattr(reference, which), seqused_k=seqused_k)
+    kernel = _varlen_kernel(q, k, v, masking, aligned=cu_seqlens_q is cu_seqlens_k,
+                            backward=which == "varlen_backward")
+    return getattr(kernel, which.removeprefix("varlen_")) if kernel else getattr(reference, which)
+
+
+def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale, seqused_k=None,
+                   **masking):
     """(out (total_q, h_q, d_v), lse (total_q, h_q)) of packed documents; masking: is_causal, window and
-    softcap.
+    softcap. ``seqused_k`` (each document's keys are its first seqused_k[i] rows) runs on the reference.
     Distinct cu_seqlens_q and cu_seqlens_k tensors count as documents whose query and key lengths
     differ (FA2 aligns their masks bottom-right, the others top-left)."""
-    kernel = _varlen_kernel(q, k, v, masking, aligned=cu_seqlens_q is cu_seqlens_k)
-    forward = kernel.forward if kernel else reference.varlen_forward
+    forward = _varlen_entry(q, k, v, cu_seqlens_q, cu_seqlens_k, masking, seqused_k, "varlen_forward")
     return forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=scale, **masking)
 
 
 def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale,
-                    **masking):
-    kernel = _varlen_kernel(q, k, v, masking, aligned=cu_seqlens_q is cu_seqlens_k, backward=True)
-    backward = kernel.backward if kernel else reference.varlen_backward
+                    seqused_k=None, **masking):
+    backward = _varlen_entry(q, k, v, cu_seqlens_q, cu_seqlens_k, masking, seqused_k, "varlen_backward")
     return backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=scale,
                     **masking)
 

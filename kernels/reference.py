@@ -128,9 +128,12 @@ def attention_backward(dout, q, k, v, out, lse, *, scale, is_causal=False, windo
     return dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _document_rows(cu_seqlens_q, cu_seqlens_k):
-    """(query rows, key rows) of each document."""
+def _document_rows(cu_seqlens_q, cu_seqlens_k, seqused_k=None):
+    """(query rows, key rows) of each document; with ``seqused_k`` a document's keys are only the
+    first ``seqused_k[i]`` of its rows."""
     bounds = [list(itertools.pairwise(cu.tolist())) for cu in (cu_seqlens_q, cu_seqlens_k)]
+    if seqused_k is not None:
+        bounds[1] = [(start, start + used) for (start, _), used in zip(bounds[1], seqused_k.tolist())]
     return [(slice(*q), slice(*k)) for q, k in zip(*bounds)]
 
 
@@ -140,11 +143,12 @@ def _dense(x):
 
 
 def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale, is_causal=False,
-                   window=(-1, -1), softcap=0.0):
-    """Packed documents (total, H, D), one call per document: out (total_q, h_q, d_v), lse (total_q, h_q)."""
+                   window=(-1, -1), softcap=0.0, seqused_k=None):
+    """Packed documents (total, H, D), one call per document: out (total_q, h_q, d_v), lse (total_q, h_q).
+    ``seqused_k``: (documents,) int, each document's keys are the first seqused_k[i] of its rows."""
     out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
     lse = q.new_full(q.shape[:-1], float("-inf"), dtype=lse_dtype(q.dtype))
-    for q_rows, k_rows in _document_rows(cu_seqlens_q, cu_seqlens_k):
+    for q_rows, k_rows in _document_rows(cu_seqlens_q, cu_seqlens_k, seqused_k):
         part_out, part_lse = attention_forward(_dense(q[q_rows]), _dense(k[k_rows]), _dense(v[k_rows]), scale=scale,
                                                is_causal=is_causal, window=window, softcap=softcap)
         out[q_rows], lse[q_rows] = packed(part_out), packed(part_lse)
@@ -152,9 +156,9 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 
 
 def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale,
-                    is_causal=False, window=(-1, -1), softcap=0.0):
+                    is_causal=False, window=(-1, -1), softcap=0.0, seqused_k=None):
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for q_rows, k_rows in _document_rows(cu_seqlens_q, cu_seqlens_k):
+    for q_rows, k_rows in _document_rows(cu_seqlens_q, cu_seqlens_k, seqused_k):
         grads = attention_backward(_dense(dout[q_rows]), _dense(q[q_rows]), _dense(k[k_rows]), _dense(v[k_rows]),
                                    _dense(out[q_rows]), _dense(lse[q_rows]), scale=scale, is_causal=is_causal,
                                    window=window, softcap=softcap)

@@ -1,7 +1,9 @@
 """FX passes that find attention in dynamo graphs and rewrite it into ``attn_cp.attention``.
 
-Each node, in graph order, is offered to the finders: an SDPA call (sdpa.py) or hand-written
-softmax attention (matmul_softmax.py). A site found is an AttentionCall (call.py), which each
+Each node, in graph order, is offered to the finders: an SDPA call (sdpa.py), hand-written
+softmax attention (matmul_softmax.py), a ``flex_attention`` call whose mask_mod reads as the op's
+masks (flex_attention.py), or a ``varlen_attn`` call (varlen_attn.py), which becomes
+``attn_cp.varlen_attention`` directly, with no refinement. A site found is an AttentionCall (call.py), which each
 refinement in turn may improve: drop a repeat_kv copy of k and v (repeat_kv.py), turn an index-built
 mask into causal/window/key-padding arguments (mask_structure.py) or, outside those classes, into a
 flex_attention mask_mod (flex_mask.py), drop ``.contiguous()`` copies of
@@ -15,7 +17,7 @@ import logging
 
 from torch.fx import GraphModule
 
-from . import checkpoint, matmul_softmax, sdpa
+from . import checkpoint, flex_attention, matmul_softmax, sdpa, varlen_attn
 from .call import AttentionCall, Left, emit, kernel_of, why_invalid
 from .checkpoint import localize
 from .flex_mask import emit_flex
@@ -28,7 +30,7 @@ from .site import Site, location_of
 
 log = logging.getLogger("attn_compile")
 
-FINDERS = (sdpa.find, matmul_softmax.find)
+FINDERS = (sdpa.find, matmul_softmax.find, varlen_attn.find, flex_attention.find)
 REFINEMENTS = (strip_repeat_kv, infer_mask_structure, drop_contiguous_copies)
 
 
@@ -105,12 +107,18 @@ def _rewrite_graph(graph, cuda_graphs: bool) -> list[Site]:
             found = _find(node)
             if found is None:
                 continue
-            site = _left(found) if isinstance(found, Left) else _rewrite(graph, found, cuda_graphs)
+            if isinstance(found, Left):
+                site = _left(found)
+            elif isinstance(found, varlen_attn.VarlenCall):
+                site = varlen_attn.rewrite(graph, found)
+            else:
+                site = _rewrite(graph, found, cuda_graphs)
         except Exception as error:
             raise PassFailure(f"at {location_of(node) or node.name} ({node.name}): {type(error).__name__}: "
                               f"{error}") from error
         log.info("%s %s", "rewrote" if site.rewritten else "left", site)
         sites.append(site)
+    flex_attention.erase_leftovers(graph)
     return sites
 
 

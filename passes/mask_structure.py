@@ -140,16 +140,16 @@ def classify(formula, batch_of_one: bool = False) -> Structure:
     return Structure(left, right, next(iter(padding), None), next(iter(documents), None))
 
 
-def _check_key_padding(node: Node, call: AttentionCall) -> None:
-    padding, q, k = (example_tensor(n) for n in (node, call.q, call.k))
+def _check_key_padding(node: Node, q: Node, k: Node) -> None:
+    padding, q, k = (example_tensor(n) for n in (node, q, k))
     if padding.dtype != torch.bool or not guarded_shape(padding, (q.shape[0], k.shape[2])):
         raise Unsupported(f"key padding {node.name} is {padding.dtype} {hinted_shape(padding)}, not bool (B, S_k)")
     if is_mutated(node):
         raise Unsupported(f"key padding {node.name} is modified in place")
 
 
-def _check_documents(node: Node, call: AttentionCall) -> None:
-    ids, q, k = (example_tensor(n) for n in (node, call.q, call.k))
+def _check_documents(node: Node, q: Node, k: Node) -> None:
+    ids, q, k = (example_tensor(n) for n in (node, q, k))
     if ids.dtype.is_floating_point or not guarded_shape(ids, (q.shape[0], q.shape[2])) or \
             not guarded_shape(k, (*k.shape[:2], q.shape[2], k.shape[3])):
         raise Unsupported(f"document ids {node.name} are {ids.dtype} {hinted_shape(ids)}, not integer (B, S) with "
@@ -168,21 +168,33 @@ def infer_mask_structure(call: AttentionCall) -> AttentionCall:
         return call.noted(f"mask kept: {why}")
     formula = all_of(as_index_comparisons(conjuncts(formula), tracer.trace))
     try:
-        q, k = hinted_shape(example_tensor(call.q)), hinted_shape(example_tensor(call.k))
-        structure = classify(formula, batch_of_one=q[0] == 1)
-        if structure.key_padding is not None:
-            _check_key_padding(structure.key_padding, call)
-        if structure.documents is not None:
-            _check_documents(structure.documents, call)
-        prove(formula, structure, q[0], q[2], k[2])
+        structure = structure_of(formula, call.q, call.k)
     except Unsupported as why:
         return to_flex(call, formula, hiding, why)
+    note = f"mask -> {structure}"
+    if hiding not in (None, -math.inf):
+        note += f"; {empty_row_note(hiding)}"
+    return with_structure(call, structure, note)
+
+
+def structure_of(formula, q: Node, k: Node) -> Structure:
+    """The structure of a mask formula over the attention of q and k, checked against the formula
+    (mask_proof.py); raises Unsupported."""
+    q_shape, k_shape = hinted_shape(example_tensor(q)), hinted_shape(example_tensor(k))
+    structure = classify(formula, batch_of_one=q_shape[0] == 1)
+    if structure.key_padding is not None:
+        _check_key_padding(structure.key_padding, q, k)
+    if structure.documents is not None:
+        _check_documents(structure.documents, q, k)
+    prove(formula, structure, q_shape[0], q_shape[2], k_shape[2])
+    return structure
+
+
+def with_structure(call: AttentionCall, structure: Structure, note: str) -> AttentionCall:
+    """The call with its mask replaced by the structure's arguments."""
     right = structure.right
     if call.is_causal:
         right = 0 if right is None else min(right, 0)
     window = (-1 if structure.left is None else structure.left, -1 if right in (None, 0) else right)
-    note = f"mask -> {structure}"
-    if hiding not in (None, -math.inf):
-        note += f"; {empty_row_note(hiding)}"
     return call.noted(note, attn_mask=None, is_causal=right == 0, window=window,
                       key_padding_mask=structure.key_padding, document_ids=structure.documents)

@@ -92,6 +92,14 @@ class MaskTracer:
         self._syms: dict[Node, Sym] = {}
         self._index_fed: dict[Node, bool] = {}
 
+    def bind(self, node: Node, expr, *, index: bool = False) -> None:
+        """Take ``node``'s formula as ``expr`` (a subgraph's inputs, such as flex_attention's
+        mask_mod arguments); ``index``: it is index arithmetic, as an arange is, so that an
+        operation on it that is not raises Unsupported instead of making it data."""
+        out = example_tensor(node)
+        self._syms[node] = Sym(expr, tuple(out.shape), out.dtype)
+        self._index_fed[node] = index
+
     def trace(self, node: Node) -> Sym:
         node = passed_in(node)
         if node not in self._syms:

@@ -153,7 +153,9 @@ def _memory(node: Node):
 def _mutations(node: Node) -> list:
     """The in-place calls, in graph order, on node's memory: on node or on anything that aliases it."""
     memory = _memory(node)
-    return [n for n in node.graph.nodes if any(_memory(target) == memory for target in written(n))]
+    # a storage and a node are never the same memory (and StorageWeakRef's == cannot compare them)
+    return [n for n in node.graph.nodes
+            if any(type(m) is type(memory) and m == memory for m in map(_memory, written(n)))]
 
 
 def is_mutated(node: Node) -> bool:
@@ -165,13 +167,45 @@ def mutated_between(node: Node, first: Node, last: Node) -> bool:
     return any(first < m < last for m in _mutations(node))
 
 
+# calls that return a new tensor of their own
+_ALLOCATIONS = {"zeros", "ones", "empty", "full", "new_zeros", "new_ones", "new_empty", "new_full", "zeros_like",
+                "ones_like", "empty_like", "full_like"}
+
+
+def _dead_allocation(node: Node) -> Optional[list]:
+    """What is computed from ``node``, in graph order, where node is a tensor it allocated itself and
+    all of that only writes into it in place (``flex_attention``'s block-mask builder fills one with
+    ``x[rows, cols] = x.new_ones(())``) and is read by nothing else; None otherwise."""
+    if op_of(node) not in _ALLOCATIONS:
+        return None
+    found, stack = {node}, list(node.users)
+    while stack:
+        user = stack.pop()
+        if user in found:
+            continue
+        if user.op not in ("call_function", "call_method") or not set(written(user)) <= {node} or (
+                user.is_impure() and node not in written(user)) or len(found) > 16:
+            return None
+        found.add(user)
+        stack.extend(user.users)
+    return sorted(found - {node})
+
+
 def erase_unused(nodes) -> None:
     """Erase the given nodes, and then their inputs, as far as they have no users left and no effects
-    (each from its own graph: a checkpoint body's site also reads nodes of the graph around it)."""
+    (each from its own graph: a checkpoint body's site also reads nodes of the graph around it). A
+    tensor allocated in the graph whose only users write into it goes with them."""
     stack, erased = [n for n in nodes if isinstance(n, Node)], set()
     while stack:
         node = stack.pop()
-        if node in erased or node.users or node.op not in ("call_function", "call_method"):
+        if node in erased or node.op not in ("call_function", "call_method"):
+            continue
+        dead = _dead_allocation(node) if node.users else None
+        for user in reversed(dead or ()):
+            stack.extend(user.all_input_nodes)
+            node.graph.erase_node(user)
+            erased.add(user)
+        if node.users:
             continue
         if mutates(node) or node.is_impure():
             continue

@@ -6,7 +6,11 @@ Two sources of sharding:
   placements (the output is ``(*q.shape[:-1], v.shape[-1])``, so q's placements describe it).
 - ``mesh`` given: q, k, v are plain sequence shards on it, and every op becomes context-parallel
   attention. An attention site left as it was is then an error: run locally, it would see only
-  this rank's keys.
+  this rank's keys. A packed-document op (``attn_cp.varlen_attention``) becomes the
+  context-parallel op with its cu_seqlens, which must then describe the whole batch, with q, k, v
+  this rank's tokens from ``shard_varlen``: one cu_seqlens tensor for q and k, no seqused_k, or a
+  compile-time error. The op checks on every rank, at run time, that its token count is the one
+  cu_seqlens gives it, so cu_seqlens of one rank's tokens raise instead of running as the batch.
 Every plan depends only on global shapes, placements and options, so all ranks make the same one;
 the context-parallel ops check at their first call that the ranks agree.
 """
@@ -30,6 +34,7 @@ from .nodes import erase_unused, runs_of
 from .site import Site, location_of
 
 ATTENTION = ops.attention._opoverload
+VARLEN = torch.ops.attn_cp.varlen_attention.default
 CONTEXT_PARALLEL = torch.ops.attn_cp.context_parallel_attention.default
 CHECK_ONE_SEQUENCE = torch.ops.attn_cp.check_one_sequence.default
 CHECK_NO_PADDING = torch.ops.attn_cp.check_no_padding.default
@@ -210,6 +215,40 @@ def _distribute_shards(graph, node, a, groups, layout, strategy, hardware, check
                        "; ".join([f"context parallel: {best}", *notes]), table)
 
 
+def _distribute_varlen(graph, node, groups, layout, strategy) -> Distributed:
+    """The packed-document op on this rank's tokens as the context-parallel op over (1, H, T_local, D)."""
+    a = normalize_function(VARLEN, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
+    problems = []
+    if a["cu_seqlens_q"] is not a["cu_seqlens_k"]:
+        problems.append("cu_seqlens_q and cu_seqlens_k are different tensors")
+    if a["max_seqlen_q"] is not a["max_seqlen_k"] and a["max_seqlen_q"] != a["max_seqlen_k"]:
+        problems.append(f"max_seqlen_q {a['max_seqlen_q']} is not max_seqlen_k {a['max_seqlen_k']}")
+    if a.get("seqused_k") is not None:
+        problems.append("seqused_k is given")
+    if problems:
+        raise ValueError(f"packed-document attention {location_of(node) or node.name} on sequence shards "
+                         f"(options['mesh']): {'; '.join(problems)}; context parallelism takes one cu_seqlens "
+                         f"tensor that describes the whole batch, with q, k, v this rank's tokens from shard_varlen")
+    names = [g.group_name for g in groups]
+    window = {} if (a["window_left"], a["window_right"]) == (-1, -1) else {
+        "window_left": a["window_left"], "window_right": a["window_right"]}
+    outputs = {user.args[1]: user for user in node.users}
+    with graph.inserting_before(node):
+        batched = [graph.call_method("transpose", (graph.call_method("unsqueeze", (a[name], 0)), 1, 2))
+                   for name in ("q", "k", "v")]
+        fused = graph.call_function(CONTEXT_PARALLEL, (*batched, strategy, names, a["scale"], a["is_causal"], layout),
+                                    {**window, "cu_seqlens": a["cu_seqlens_q"], "max_seqlen": a["max_seqlen_q"]})
+        for index, user in outputs.items():  # (1, H, T_local, ...) back to (T_local, H, ...)
+            result = graph.call_function(operator.getitem, (fused, index))
+            result = graph.call_method("transpose", (graph.call_function(operator.getitem, (result, 0)), 0, 1))
+            result.meta.update(user.meta)
+            user.replace_all_uses_with(result)
+            graph.erase_node(user)
+    graph.erase_node(node)
+    return Distributed(node.name, f"packed documents, sequence shards ({layout}) on a mesh of "
+                                  f"{[g.size() for g in groups]}", f"context parallel: {strategy}", {})
+
+
 # ops that run a whole attention inside them, out of the passes' sight
 OPAQUE_ATTENTION = (torch.nn.functional.multi_head_attention_forward, torch._transformer_encoder_layer_fwd,
                     torch._native_multi_head_attention)
@@ -224,7 +263,7 @@ def _not_distributed(gm: GraphModule, sites: list[Site]):
     flex_attention, an op that runs one inside it (``nn.MultiheadAttention``,
     ``TransformerEncoderLayer``'s fast path), or a site inside the subgraph of a higher-order op
     other than activation checkpointing, which the passes do not see."""
-    left = [site for site in sites if site.op != "attn_cp.attention"]
+    left = [site for site in sites if site.op not in ("attn_cp.attention", "attn_cp.varlen_attention")]
     if left:
         return f"{left[0]} " + ("runs as flex_attention, which is not distributed" if left[0].rewritten
                                 else "could not be rewritten")
@@ -263,6 +302,9 @@ def distribute_attention(gm: GraphModule, sites: list[Site], *, mesh=None, layou
                 elif groups is not None:
                     done.append(_distribute_shards(module.graph, node, a, groups, layout, strategy, hardware,
                                                    checked))
+            if groups is not None:
+                for node in list(module.graph.find_nodes(op="call_function", target=VARLEN)):
+                    done.append(_distribute_varlen(module.graph, node, groups, layout, strategy))
         drop_unused_inputs(checkpoints)
     recompile(gm)
     return done

@@ -33,6 +33,11 @@ def _hint(size) -> int:
     return size if isinstance(size, int) else size.node.hint
 
 
+def hinted_int(value) -> int:
+    """An int argument as traced: a plain int, or the hint of a node's SymInt (installs no guard)."""
+    return _hint(example_value(value) if isinstance(value, Node) else value)
+
+
 def hinted_meta(t: torch.Tensor) -> TensorMeta:
     """Sizes are the values traced with (their hints), so reading them installs no guard."""
     return TensorMeta(tuple(_hint(s) for s in t.shape), t.dtype, t.device)

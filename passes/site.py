@@ -1,7 +1,12 @@
 """One attention site found in a graph, and what became of it."""
 import dataclasses
+import os
 import re
 from typing import Optional
+
+import torch
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 
 @dataclasses.dataclass
@@ -23,7 +28,9 @@ class Site:
 
 
 def location_of(node) -> str:
-    """'layers.0.attn @ model.py:42' from dynamo's node metadata (either part may be missing)."""
+    """'layers.0.attn @ model.py:42' from dynamo's node metadata (either part may be missing); the
+    line is the innermost one outside torch (a varlen_attn call's, not the line in torch that
+    calls the op)."""
     modules = node.meta.get("nn_module_stack") or {}
     module = ""
     if modules:
@@ -33,7 +40,7 @@ def location_of(node) -> str:
     line = ""
     for entry in reversed(trace):
         entry = entry.strip()
-        if entry.startswith("File "):
+        if entry.startswith("File ") and not entry[len("File "):].strip('"').startswith(_TORCH_DIR):
             path, _, rest = entry[len("File "):].partition(", line ")
             line = f"{path.strip(chr(34)).rsplit('/', 1)[-1]}:{rest.split(',')[0]}"
             break

@@ -1,5 +1,7 @@
 """The float64 oracle every numerical test compares against: plain softmax attention, and ways to
 measure an error against it."""
+import itertools
+
 import torch
 
 
@@ -79,3 +81,28 @@ def oracle_problems(got, q, k, v, dout, *, tol, **masking) -> list[str]:
         if not error <= tol:  # a NaN anywhere fails too
             problems.append(f"{name}: error {error:.2e} > {tol:.1e} (rel_err {rel_err(g, o):.2e})")
     return problems
+
+
+def varlen_reference(q, k, v, cu_q, cu_k, *, scale=None, window=(-1, -1), seqused_k=None):
+    """float64 (out (T_q, H, d_v), lse (H, T_q)) of each document on its own, with FA2's masks:
+    query i of a document of n_q queries and n_k keys sees keys i + n_k - n_q - left ..= i + n_k - n_q + right."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    group = q.shape[1] // k.shape[1]
+    outs, lses = [], []
+    used = seqused_k.tolist() if seqused_k is not None else None
+    for d, ((q0, q1), (k0, k1)) in enumerate(zip(itertools.pairwise(cu_q.tolist()), itertools.pairwise(cu_k.tolist()))):
+        k1 = k0 + used[d] if used is not None else k1
+        qd = q[q0:q1].double().transpose(0, 1)
+        kd, vd = (x[k0:k1].double().repeat_interleave(group, 1).transpose(0, 1) for x in (k, v))
+        scores = qd @ kd.transpose(-1, -2) * scale
+        i = torch.arange(q1 - q0)[:, None] + (k1 - k0) - (q1 - q0)
+        j = torch.arange(k1 - k0)[None, :]
+        visible = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool)
+        if window[0] >= 0:
+            visible &= j >= i - window[0]
+        if window[1] >= 0:
+            visible &= j <= i + window[1]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        lses.append(scores.logsumexp(-1))
+        outs.append((torch.softmax(scores, -1).nan_to_num(0.0) @ vd).transpose(0, 1))
+    return torch.cat(outs), torch.cat(lses, dim=1)
