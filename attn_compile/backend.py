@@ -65,7 +65,7 @@ def _inner_compile(gm, example_inputs, inner: str, mode):
     from torch._inductor.compile_fx import compile_fx
 
     patches = torch._inductor.list_mode_options(mode) if mode is not None else {}
-    return compile_fx(gm, example_inputs, config_patches={**patches, **inductor_cache.config_patches()})
+    return compile_fx(gm, example_inputs, config_patches={**patches, **inductor_cache.config_patches(gm)})
 
 
 def _may_compile_unchanged(opts) -> bool:

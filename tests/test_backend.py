@@ -162,17 +162,19 @@ def test_an_unknown_mode_is_reported_as_itself(recwarn):
 def test_inductor_caches_key_on_the_package_source(monkeypatch):
     """Inductor caches compiled code by graph, config and torch version; code cached with other
     versions of the ops (whose fake functions may lay results out otherwise) must not come back.
-    The inner compile carries a no-op pass whose uuid, part of Inductor's cache keys, hashes the
-    package's source, passes and kernels included."""
+    The inner compile carries a post-grad pass whose uuid, part of Inductor's cache keys, hashes the
+    package's source, passes and kernels included (and the process groups the graph names:
+    tests/test_compile_cache.py)."""
     import torch._inductor.compile_fx as compile_fx_module
     from pathlib import Path
 
     from attn_compile import inductor_cache
 
-    patches = {}
+    patches, graphs = {}, []
 
     def spy(gm, example_inputs, config_patches=None):
         patches.update(config_patches)
+        graphs.append(gm)
         return gm.forward
 
     monkeypatch.setattr(compile_fx_module, "compile_fx", spy)
@@ -180,20 +182,69 @@ def test_inductor_caches_key_on_the_package_source(monkeypatch):
     q, k, v = make_qkv("mha", s_q=8)
     torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), backend="attn_cp")(q, k, v)
     stamp = patches["post_grad_custom_post_pass"].uuid()
-    assert stamp == inductor_cache.source_hash()
+    assert stamp == inductor_cache.cache_key(graphs[0])
 
     read = Path.read_bytes
     monkeypatch.setattr(Path, "read_bytes", lambda p: read(p) + (b"#" if p.name == "result_layout.py" else b""))
     inductor_cache.source_hash.cache_clear()
     try:
-        assert inductor_cache.source_hash() != stamp
+        assert inductor_cache.cache_key(graphs[0]) != stamp
     finally:
         monkeypatch.undo()
         inductor_cache.source_hash.cache_clear()
-    assert inductor_cache.source_hash() == stamp
+    assert inductor_cache.cache_key(graphs[0]) == stamp
 
+
+def test_a_users_post_grad_pass_runs_and_keys_the_caches_with_the_stamp():
     import torch._inductor.config as inductor_config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
 
-    own = inductor_cache.SourceStamp()
-    with inductor_config.patch(post_grad_custom_post_pass=own):
-        assert inductor_cache.config_patches() == {}  # a user's own pass is left in place
+    from attn_compile import inductor_cache
+
+    class Own(CustomGraphPass):
+        seen = []
+
+        def __call__(self, graph):
+            self.seen.append(graph)
+
+        def uuid(self):
+            return "own"
+
+    graph = torch.fx.symbolic_trace(lambda x: x + 1)
+    key = inductor_cache.cache_key(graph)
+    with inductor_config.patch(post_grad_custom_post_pass=Own()):
+        stamp = inductor_cache.config_patches(graph)["post_grad_custom_post_pass"]
+    stamp(graph.graph)
+    assert Own.seen == [graph.graph] and stamp.uuid() == f"{key}:own"
+    with inductor_config.patch(post_grad_custom_post_pass=lambda graph: None):
+        stamp = inductor_cache.config_patches(graph)["post_grad_custom_post_pass"]
+    assert stamp.uuid() is None  # a pass without a uuid: Inductor does not cache, as without the stamp
+
+
+def test_a_users_inference_aware_post_grad_pass_gets_is_inference():
+    """Newer torch hands ``is_inference`` to a CustomInferenceAwareGraphPass; the stamp in its
+    place is one too, and passes it on (torch 2.11 has no such passes)."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor import custom_graph_pass
+
+    from attn_compile import inductor_cache
+
+    if not hasattr(custom_graph_pass, "CustomInferenceAwareGraphPass"):
+        assert torch.__version__ < "2.13"
+        return
+
+    class Own(custom_graph_pass.CustomInferenceAwareGraphPass):
+        seen = []
+
+        def __call__(self, graph, is_inference):
+            self.seen.append(is_inference)
+
+        def uuid(self):
+            return "own"
+
+    graph = torch.fx.symbolic_trace(lambda x: x + 1)
+    with inductor_config.patch(post_grad_custom_post_pass=Own()):
+        stamp = inductor_cache.config_patches(graph)["post_grad_custom_post_pass"]
+    assert isinstance(stamp, custom_graph_pass.CustomInferenceAwareGraphPass)
+    stamp(graph.graph, is_inference=True)
+    assert Own.seen == [True]
