@@ -12,6 +12,7 @@ The tile loops read through tensor descriptors (TMA on Hopper, ``walk_rows``): f
 backward's long walks, one that each program makes over its rows.
 """
 import contextvars
+import logging
 import os
 
 import torch
@@ -83,6 +84,8 @@ def shape_walks(args, rows):
 
 
 _PICKS = {}  # (autotuned kernel, its autotuning key) -> the configuration it picked
+_LOGGED = set()  # (kernel, configuration, error) rejections already logged
+log = logging.getLogger("attn_compile")
 
 
 def launch(kernel, grid, device, *args, **kwargs):
@@ -90,8 +93,8 @@ def launch(kernel, grid, device, *args, **kwargs):
     tensor descriptors need, from an allocator set in a copy of the current context: a Triton
     allocator the caller set stays in place. Triton's autotuner rebuilds its key on every call
     by scanning the argument names once per argument (tens of µs of host time for these
-    kernels); here a key's first call tunes and later calls launch its pick directly, after
-    setting the block shapes of its ``walked`` descriptors for the pick's tiles."""
+    kernels); here a key's first call tunes (``tune``) and every call launches its pick
+    directly, after setting the block shapes of its ``walked`` descriptors for the pick's tiles."""
     key = (kernel, *(kwargs[name] for name in kernel.keys), *(str(arg.dtype) for arg in args if hasattr(arg, "dtype")))
 
     def scratch(size, alignment, stream):
@@ -101,14 +104,65 @@ def launch(kernel, grid, device, *args, **kwargs):
         triton.set_allocator(scratch)
         pick = _PICKS.get(key)
         if pick is None:
-            kernel[grid](*args, **kwargs)
-            _PICKS[key] = kernel.best_config
-        else:
-            if kernel.walk_block is not None:
-                shape_walks(args, pick.kwargs[kernel.walk_block])
-            kernel.fn[grid](*args, **kwargs, **pick.all_kwargs())
+            pick = _PICKS[key] = tune(kernel, grid, args, kwargs)
+        if kernel.walk_block is not None:
+            shape_walks(args, pick.kwargs[kernel.walk_block])
+        kernel.fn[grid](*args, **kwargs, **pick.all_kwargs())
 
     contextvars.copy_context().run(run)
+
+
+def tune(kernel, grid, args, kwargs):
+    """The configuration of ``kernel`` for these arguments. Each candidate is compiled first, and
+    one that fails to compile is rejected like one that runs out of resources: Triton's
+    autotuner rejects only OutOfResources, CompileTimeAssertionFailure and PTXASError, and on an
+    H100 an MLIR pass failing on one configuration ("Pipeline failed while executing
+    LLVMDIScope") ended the call. The survivors are timed by Triton's autotuner; an error while
+    they run is raised as it is. Raises a RuntimeError naming the first failure when every
+    candidate is rejected."""
+    meta = {**kwargs, "grid": grid, "warmup": False}
+    kernel.nargs = dict(zip(kernel.arg_names, args))  # what the autotuner's pruning and timing read
+    try:
+        compiled, failures = [], []
+        for config in kernel.prune_configs(meta):
+            try:
+                compile_config(kernel, config, grid, args, kwargs)
+            except Exception as error:  # noqa: BLE001  (any failure to compile rejects the configuration)
+                _log_rejected(kernel, config, error)
+                failures.append(f"{config}: {type(error).__name__}: {_first_line(error)}")
+            else:
+                compiled.append(config)
+        if len(compiled) > 1:
+            timings = {config: kernel._bench(*args, config=config, **meta) for config in compiled}
+            failures += [f"{config}: rejected by Triton's autotuner (out of resources)" for config in compiled
+                         if timings[config][0] == float("inf")]
+            compiled = sorted((config for config in compiled if timings[config][0] != float("inf")), key=timings.get)
+        if not compiled:
+            raise RuntimeError(f"Triton kernel {kernel.fn.__name__}: every autotuning configuration was rejected for "
+                               f"{dict(zip(kernel.keys, (meta[name] for name in kernel.keys)))}: "
+                               + "; ".join(failures))
+        return compiled[0]
+    finally:
+        kernel.nargs = None
+
+
+def compile_config(kernel, config, grid, args, kwargs) -> None:
+    """Compiles ``kernel`` for ``config`` without launching it (nothing to compile when interpreting)."""
+    if config.pre_hook:  # the block shapes of the walked descriptors, part of what is compiled
+        config.pre_hook({**kernel.nargs, **kwargs, **config.all_kwargs()})
+    kernel.fn.run(*args, grid=grid, warmup=True, **kwargs, **config.all_kwargs())
+
+
+def _first_line(error) -> str:
+    return (str(error).strip().splitlines() or [""])[0]
+
+
+def _log_rejected(kernel, config, error) -> None:
+    seen = (kernel, str(config), type(error), _first_line(error))
+    if seen not in _LOGGED:
+        _LOGGED.add(seen)
+        log.warning("Triton kernel %s: configuration %s failed to compile and is not used (%s: %s)",
+                    kernel.fn.__name__, config, type(error).__name__, _first_line(error))
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -6,6 +6,7 @@ the raw bits, so bf16 is left to the GPU tests. With CUDA every test runs on the
 (float32 dots in IEEE float32, PyTorch's default matmul precision), and the tests marked gpu
 sweep bf16 shapes over several tiles.
 """
+import itertools
 import os
 import sys
 from dataclasses import replace
@@ -486,6 +487,85 @@ def test_lengths_are_tuned_by_powers_of_two():
     for kernel in (_forward_kernel, _dq_kernel, _dkdv_kernel):
         at = 1 + kernel.keys.index("seq_bucket")  # a pick's key: the kernel, then its autotuning key
         assert {32, 64} <= {key[at] for key in _PICKS if key[0] is kernel}, kernel
+
+
+def _forward_with_configs(monkeypatch, configs, failing=(), at_launch=None):
+    """The forward kernel autotuned over ``configs`` (which differ in num_stages) for a new key:
+    ``failing`` ones fail to compile as an MLIR pass did on an H100, and ``at_launch`` (an
+    exception) is raised when a configuration runs. Returns the pick, after checking the result
+    against the oracle."""
+    import attn_compile.kernels.triton_tiles as tiles
+
+    run = _forward_kernel.fn.run
+    failing_stages = {config.num_stages for config in failing}
+
+    def running(*args, warmup, **kwargs):  # Triton compiles in run, for a warmup as for a launch
+        if kwargs["num_stages"] in failing_stages:
+            raise RuntimeError("PassManager::run failed\nFailures have been detected while processing an MLIR pass "
+                               "pipeline ... Pipeline failed while executing `LLVMDIScope`")
+        if at_launch is not None and not warmup:
+            raise at_launch
+        return run(*args, warmup=warmup, **kwargs)
+
+    timed = itertools.count()
+
+    def timing(kernel_call, quantiles):  # the interpreter has no benchmarker: the first one timed wins
+        kernel_call()
+        return [float(next(timed))] * len(quantiles)
+
+    monkeypatch.setattr(tiles, "_PICKS", {})
+    monkeypatch.setattr(_forward_kernel, "configs", configs)
+    monkeypatch.setattr(_forward_kernel, "early_config_prune", None)
+    monkeypatch.setattr(_forward_kernel.fn, "run", running)
+    monkeypatch.setitem(_forward_kernel.__dict__, "do_bench", timing)
+    q, k, v = make_qkv("gqa", batch=1, s_q=24, s_k=24, device=DEVICE)
+    out, lse = ta.attention_forward(q, k, v, scale=0.5, is_causal=True)
+    assert rel_err(out, naive_attention(q.double(), k.double(), v.double(), scale=0.5, is_causal=True)) < TOL[q.dtype]
+    (pick,) = {pick for key, pick in tiles._PICKS.items() if key[0] is _forward_kernel}
+    return pick
+
+
+def _two_configurations():
+    """The kernel's first configuration, and one like it with 2 stages (the interpreter has one)."""
+    import triton
+
+    first = _forward_kernel.configs[0]
+    second = triton.Config(first.kwargs, num_warps=first.num_warps, num_stages=2, pre_hook=first.pre_hook)
+    assert first.num_stages != second.num_stages
+    return [first, second]
+
+
+def test_a_configuration_that_fails_to_compile_is_rejected(monkeypatch, caplog):
+    """Triton's autotuner rejects only OutOfResources, CompileTimeAssertionFailure and PTXASError;
+    any other compile failure of one configuration (an MLIR pass on sm90) rejects it the same way,
+    logged once, and the kernel runs with another."""
+    import attn_compile.kernels.triton_tiles as tiles
+
+    monkeypatch.setattr(tiles, "_LOGGED", set(), raising=False)
+    bad, good = _two_configurations()
+    for _ in range(2):
+        with caplog.at_level("WARNING", logger="attn_compile"):
+            assert _forward_with_configs(monkeypatch, [bad, good], failing=[bad]) is good
+    (record,) = caplog.records
+    assert record.getMessage().startswith(f"Triton kernel _forward_kernel: configuration {bad} failed to compile "
+                                          f"and is not used (RuntimeError: PassManager::run failed)")
+
+
+def test_every_configuration_failing_to_compile_raises(monkeypatch):
+    configs = _two_configurations()
+    with pytest.raises(RuntimeError, match=r"^Triton kernel _forward_kernel: every autotuning configuration was "
+                                           r"rejected for \{'BLOCK_DQK': 16, 'BLOCK_DV': 16, .*\}: .*RuntimeError: "
+                                           r"PassManager::run failed; .*RuntimeError: PassManager::run failed$"):
+        _forward_with_configs(monkeypatch, configs, failing=configs)
+
+
+@pytest.mark.parametrize("candidates", [1, 2])
+def test_an_error_when_a_configuration_runs_is_raised(monkeypatch, candidates):
+    """Only compile failures reject a configuration: an error at launch, the one configuration's
+    or while several are timed, is the call's."""
+    configs = _two_configurations()[:candidates]
+    with pytest.raises(ValueError, match="^launch failed$"):
+        _forward_with_configs(monkeypatch, configs, at_launch=ValueError("launch failed"))
 
 
 def _poison_free_memory():
