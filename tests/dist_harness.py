@@ -72,8 +72,8 @@ def run_on_gpus(fn, *args, timeout: float = TIMEOUT) -> None:
     run_distributed(fn, world, *args, timeout=timeout, backend="nccl")
 
 
-def _reporting_entry(rank, world, store_path, timeout, report_dir, fn, args):
-    _join(rank, world, store_path, timeout)
+def _reporting_entry(rank, world, store_path, timeout, backend, report_dir, fn, args):
+    _join(rank, world, store_path, timeout, backend)
     start = time.monotonic()
     try:
         fn(rank, world, *args)
@@ -86,16 +86,16 @@ def _reporting_entry(rank, world, store_path, timeout, report_dir, fn, args):
     os._exit(0)  # no destroy_process_group: with a peer gone it could block
 
 
-def run_ranks(fn, world: int, *args, timeout: float = TIMEOUT) -> list:
+def run_ranks(fn, world: int, *args, timeout: float = TIMEOUT, backend: str = "gloo") -> list:
     """Like run_distributed, but reports each rank instead of raising: a list, by rank, of
     ``{"error": "Type: message" or None, "seconds": how long fn ran}``, or
     ``{"exitcode": ...}`` for a rank that wrote no report (it exited, or hung until killed).
     Collectives time out after ``timeout`` seconds; ranks still running ``timeout + 60`` seconds
     after the start (start-up included) are killed."""
     with tempfile.TemporaryDirectory() as tmp:
-        context = mp.get_context(_start_method("gloo"))
+        context = mp.get_context(_start_method(backend))
         processes = [context.Process(target=_reporting_entry,
-                                   args=(rank, world, os.path.join(tmp, "store"), timeout, tmp, fn, args))
+                                   args=(rank, world, os.path.join(tmp, "store"), timeout, backend, tmp, fn, args))
                      for rank in range(world)]
         for process in processes:
             process.start()

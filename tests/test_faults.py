@@ -16,6 +16,7 @@ from attn_compile.kernels import attention_forward
 from dist_harness import run_distributed, run_ranks
 
 TIMEOUT = 6.0  # the collectives' timeout in the tests where a rank is gone
+STAYS_S = 4.0  # how long a rank that failed inside an op lives on
 
 
 def _qkv(h_q=4, h_kv=2, s=8, d=16):
@@ -71,6 +72,73 @@ def test_the_others_fail_when_one_rank_is_gone(strategy, how):
     assert expected.items() <= failed.items(), failed
     assert survivor.get("error") and survivor["seconds"] < TIMEOUT + 5.0, survivor
     assert elapsed < 60.0, (elapsed, survivor)
+
+
+def _kernel_fails_on_rank_1(rank, world, strategy, device="cpu"):
+    """After a first call on every rank (which compiles the kernels on a GPU), rank 1's local
+    kernel raises at its second call of the op's forward, a step into the ring (for all-gather,
+    its first and only call: the others then wait in the backward's reduce-scatter). Each rank
+    runs forward and backward, twice: on GPUs the host does not wait for NCCL, and the others
+    wait for rank 1 at the second call's agreement. Every other rank raises within STAYS_S / 2."""
+    from attn_compile.cp import allgather, ring
+
+    q, k, v = (x.to(device).requires_grad_() for x in _qkv(s=4))
+
+    def attention():
+        out = context_parallel_attention(q, k, v, group=dist.group.WORLD, strategy=strategy, is_causal=True)
+        out.sum().backward()
+
+    attention()
+    module = ring if strategy == "ring" else allgather
+    calls = []
+    attend = module.attend_tiles
+
+    def failing(*args):
+        calls.append(args)
+        if rank == 1 and len(calls) == (2 if strategy == "ring" else 1):
+            raise RuntimeError("injected kernel failure on rank 1")
+        return attend(*args)
+
+    module.attend_tiles = failing
+    dist.barrier()
+    start = time.monotonic()
+    try:
+        for _ in range(2):
+            attention()
+    except RuntimeError:
+        if rank == 1:  # alive, its connections open, as a rank that handles its error or is slow to exit
+            time.sleep(STAYS_S)
+        elif time.monotonic() - start > STAYS_S / 2:
+            raise AssertionError(f"rank {rank} raised after {time.monotonic() - start:.1f} s")
+        raise
+
+
+def _assert_every_rank_raised(reports, strategy):
+    original = "RuntimeError: injected kernel failure on rank 1"
+    assert reports[1]["error"] == original, reports
+    op = f"attn_cp::{strategy}_attention"
+    for rank, report in enumerate(reports):
+        if rank != 1:
+            assert report["error"] == (f"PeerFailed: context-parallel attention failed on rank 1 in {op}: {original}; "
+                                       f"this rank's collectives with it cannot complete"), (rank, reports)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy, world", [("ring", 2), ("ring", 4), ("allgather", 2)])
+def test_an_error_inside_an_op_on_one_rank_raises_on_every_rank_within_seconds(strategy, world):
+    """Rank 1 lives on for STAYS_S after its error and the group's timeout is 60 s: every other
+    rank raises within moments, naming rank 1 and its error."""
+    _assert_every_rank_raised(run_ranks(_kernel_fails_on_rank_1, world, strategy, timeout=60.0), strategy)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.timeout(300)
+def test_gpu_an_error_inside_an_op_on_one_gpu_raises_on_every_rank_within_seconds():
+    """The same on NCCL groups, one rank per GPU: the others raise at their next call's agreement."""
+    reports = run_ranks(_kernel_fails_on_rank_1, torch.cuda.device_count(), "ring", "cuda", timeout=60.0,
+                        backend="nccl")
+    _assert_every_rank_raised(reports, "ring")
 
 
 def _shape_changes_on_one_rank_later(rank, world):

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from .checks import check_call, sharding_of
 from .comm import all_gather_stacked, reduce_scatter_stacked, resolve, sized_group
+from .failures import failing_together
 from .merge import MergedResult
 from .registration import fake_grads, fake_result
 from .tiles import attend_tiles, attend_tiles_backward, plan_tiles
@@ -62,7 +63,8 @@ def allgather_attention(q: Tensor, k: Tensor, v: Tensor, group_name: str, group_
     window = (window_left, window_right)
     sharding = check_call(q, k, v, groups, strategy="allgather", scale=scale, is_causal=is_causal, layout=layout,
                           window=window, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, recompute_kv=recompute_kv)
-    out, lse, k_all, v_all = allgather_forward(q, k, v, group, scale, is_causal, window, sharding)
+    with failing_together("attn_cp::allgather_attention"):
+        out, lse, k_all, v_all = allgather_forward(q, k, v, group, scale, is_causal, window, sharding)
     return (out, lse, k.new_empty(0), v.new_empty(0)) if recompute_kv else (out, lse, k_all, v_all)
 
 
@@ -84,9 +86,10 @@ def allgather_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, 
                                  ) -> tuple[Tensor, Tensor, Tensor]:
     """``k_all`` and ``v_all`` are the forward's gathered K and V, or None to gather them again."""
     (group,) = groups = resolve([group_name])
-    sharding = sharding_of(q, groups, layout, cu_seqlens)
-    return allgather_backward(dout, q, k, v, out, lse, k_all, v_all, group, scale, is_causal,
-                              (window_left, window_right), sharding)
+    with failing_together("attn_cp::allgather_attention_backward"):
+        sharding = sharding_of(q, groups, layout, cu_seqlens)
+        return allgather_backward(dout, q, k, v, out, lse, k_all, v_all, group, scale, is_causal,
+                                  (window_left, window_right), sharding)
 
 
 @allgather_attention_backward.register_fake

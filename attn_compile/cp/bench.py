@@ -34,7 +34,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from attn_compile.kernels import attention_backward, attention_forward
 
 from .api import choose_strategy, context_parallel_attention
-from .comm import all_gather_stacked, all_to_all_stacked, pass_round, process_groups, wait
+from .comm import all_gather_stacked, all_to_all_stacked, pass_round, process_groups
+from .failures import wait
 from .layout import shard_sequence, unshard_sequence
 
 CONFIGS = {  # name: (h_q, h_kv, d_qk, d_v)
@@ -207,7 +208,7 @@ def link_bandwidth() -> None:
     world, group = dist.get_world_size(), dist.group.WORLD
     x = torch.randn(128 * 2**20 // 2 * world, device=DEVICE, dtype=torch.bfloat16)  # 256 MiB per rank
     moves = {
-        "ring pass (isend/irecv)": (lambda: wait(pass_round((x,), group, 0)[1]), x.numel() * 2),
+        "ring pass (isend/irecv)": (lambda: wait(pass_round((x,), group, 0)[1], group), x.numel() * 2),
         "all-gather": (lambda: all_gather_stacked(x, (group,)), x.numel() * 2 * (world - 1)),
         "all-to-all": (lambda: all_to_all_stacked(x.view(world, -1), group), x.numel() * 2 * (world - 1) / world),
     }

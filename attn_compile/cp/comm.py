@@ -12,6 +12,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from .failures import wait_collective
+
 # torch 2.13 renamed these; 2.11 has only the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -76,7 +78,7 @@ def all_gather_stacked(x: torch.Tensor, groups) -> torch.Tensor:
     x = x.unsqueeze(0).contiguous()
     for group in reversed(groups):  # inner first, so the outer rank ends up the slower index
         gathered = x.new_empty((group.size() * x.shape[0], *x.shape[1:]))
-        _all_gather(gathered, x, group=group)
+        wait_collective(_all_gather(gathered, x, group=group, async_op=True), group)
         x = gathered
     return x
 
@@ -84,21 +86,21 @@ def all_gather_stacked(x: torch.Tensor, groups) -> torch.Tensor:
 def reduce_scatter_stacked(x: torch.Tensor, group) -> torch.Tensor:
     """Sum of x over the ranks, each rank keeping its row: x is (size, ...), the result (...)."""
     out = x.new_empty(x.shape[1:])
-    _reduce_scatter(out, x.flatten(0, 1).contiguous(), group=group)
+    wait_collective(_reduce_scatter(out, x.flatten(0, 1).contiguous(), group=group, async_op=True), group)
     return out
 
 
 def all_to_all_stacked(x: torch.Tensor, group) -> torch.Tensor:
     """Row j of x (size, ...) goes to rank j; row j of the result came from rank j."""
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    dist.all_to_all_single(out, x.contiguous(), group=group)
+    wait_collective(dist.all_to_all_single(out, x.contiguous(), group=group, async_op=True), group)
     return out
 
 
 def pass_round(tensors, group, tag: int, shift: int = 1):
     """Posts sends of ``tensors`` to the rank ``shift`` places on round the ring and receives of
     like tensors from the rank as far back. Returns (received, works); the received tensors are
-    valid after ``wait(works)``."""
+    valid after ``wait(works, group)``."""
     size = group.size()
     if shift % size == 0:
         return tuple(tensors), []
@@ -110,8 +112,3 @@ def pass_round(tensors, group, tag: int, shift: int = 1):
     ops = [dist.P2POp(dist.isend, t, next_peer, group, tag) for t in tensors]
     ops += [dist.P2POp(dist.irecv, r, prev_peer, group, tag) for r in received]
     return received, dist.batch_isend_irecv(ops)
-
-
-def wait(works) -> None:
-    for work in works:
-        work.wait()

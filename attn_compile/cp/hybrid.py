@@ -15,6 +15,7 @@ from torch import Tensor
 from .checks import check_call, sharding_of
 from .comm import resolve, sized_group
 from .documents import hybrid_shardings
+from .failures import failing_together
 from .layout import SequenceSharding
 from .registration import fake_result, register_head_exchange
 from .ring import ring_backward, ring_forward
@@ -45,8 +46,10 @@ def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, outer_group_name: str, inn
     sharding = check_call(q, k, v, groups, strategy="hybrid", scale=scale, is_causal=is_causal, layout=layout,
                           window=window, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, head_split=inner.size())
     inner_sharding, ring_sharding = _shardings(sharding, outer, inner)
-    out, lse, *heads = exchange_forward(q, k, v, inner, inner_sharding,
-                                        lambda *qkv: ring_forward(*qkv, outer, scale, is_causal, window, ring_sharding))
+    with failing_together("attn_cp::hybrid_attention"):
+        out, lse, *heads = exchange_forward(q, k, v, inner, inner_sharding,
+                                            lambda *qkv: ring_forward(*qkv, outer, scale, is_causal, window,
+                                                                      ring_sharding))
     return out, lse, *kept_head_shards(heads, cu_seqlens is not None)
 
 
@@ -65,11 +68,12 @@ def hybrid_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out
     """q, k, v, out and lse are the forward's head shards; for packed documents, the sequence shards."""
     outer, inner = groups = _groups(outer_group_name, inner_group_name, inner_group_size)
     window = (window_left, window_right)
-    # for the forward's head shards dout is the one sequence shard at hand
-    inner_sharding, ring_sharding = _shardings(sharding_of(dout, groups, layout, cu_seqlens), outer, inner)
-    heads = saved_head_shards(q, k, v, out, lse, inner, inner_sharding, cu_seqlens is not None)
-    return exchange_backward(dout, heads, kv_heads, inner, inner_sharding,
-                             lambda *args: ring_backward(*args, outer, scale, is_causal, window, ring_sharding))
+    with failing_together("attn_cp::hybrid_attention_backward"):
+        # for the forward's head shards dout is the one sequence shard at hand
+        inner_sharding, ring_sharding = _shardings(sharding_of(dout, groups, layout, cu_seqlens), outer, inner)
+        heads = saved_head_shards(q, k, v, out, lse, inner, inner_sharding, cu_seqlens is not None)
+        return exchange_backward(dout, heads, kv_heads, inner, inner_sharding,
+                                 lambda *args: ring_backward(*args, outer, scale, is_causal, window, ring_sharding))
 
 
 register_head_exchange(hybrid_attention, hybrid_attention_backward)

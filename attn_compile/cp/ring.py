@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from .checks import check_call, sharding_of
-from .comm import pass_round, resolve, wait
+from .comm import pass_round, resolve
+from .failures import failing_together, wait
 from .merge import MergedResult
 from .registration import register_strategy
 from .tiles import attend_tiles, attend_tiles_backward, plan_tiles
@@ -47,7 +48,7 @@ def ring_forward(q, k, v, group, scale, is_causal, window, sharding):
             next_kv, kv_works = pass_round((k, v), group, KV_TAG)
         attend_tiles(q, k, v, tiles[step], scale, result)
         if step + 1 < steps:
-            wait(kv_works)
+            wait(kv_works, group)
             k, v = next_kv
     return result.out, result.lse
 
@@ -64,16 +65,16 @@ def ring_backward(dout, q, k, v, out, lse, group, scale, is_causal, window, shar
         tiles = _tiles(sharding, rank, (rank - step) % size, is_causal, window)
         attend_tiles_backward(dout, q, k, v, out, lse, tiles, scale, dq, dk, dv)
         if step > 0:  # add what the ranks before this one found for the same keys
-            wait(grad_works)
+            wait(grad_works, group)
             dk += next_grads[0]
             dv += next_grads[1]
         if step + 1 < steps:
             next_grads, grad_works = pass_round((dk, dv), group, GRAD_TAG)
-            wait(kv_works)
+            wait(kv_works, group)
             k, v = next_kv
     # dk, dv are the whole gradients of the keys of rank - (steps - 1): they go home in k's dtype
     (dk, dv), works = pass_round((dk.to(k.dtype), dv.to(v.dtype)), group, GRAD_TAG, shift=1 - steps)
-    wait(works)
+    wait(works, group)
     return dq.to(q.dtype), *(g[:, :, :k_len].contiguous() for g in (dk, dv))
 
 
@@ -85,7 +86,8 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group_name: str, scale: floa
     window = (window_left, window_right)
     sharding = check_call(q, k, v, groups, strategy="ring", scale=scale, is_causal=is_causal, layout=layout,
                           window=window, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
-    return ring_forward(q, k, v, group, scale, is_causal, window, sharding)
+    with failing_together("attn_cp::ring_attention"):
+        return ring_forward(q, k, v, group, scale, is_causal, window, sharding)
 
 
 @torch.library.custom_op("attn_cp::ring_attention_backward", mutates_args=())
@@ -94,8 +96,9 @@ def ring_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
                             window_right: int = -1, cu_seqlens: Optional[Tensor] = None, max_seqlen: int = 0
                             ) -> tuple[Tensor, Tensor, Tensor]:
     (group,) = groups = resolve([group_name])
-    sharding = sharding_of(q, groups, layout, cu_seqlens)
-    return ring_backward(dout, q, k, v, out, lse, group, scale, is_causal, (window_left, window_right), sharding)
+    with failing_together("attn_cp::ring_attention_backward"):
+        sharding = sharding_of(q, groups, layout, cu_seqlens)
+        return ring_backward(dout, q, k, v, out, lse, group, scale, is_causal, (window_left, window_right), sharding)
 
 
 register_strategy(ring_attention, ring_attention_backward)

@@ -30,6 +30,7 @@ from attn_compile.kernels.reference import lse_dtype
 
 from .checks import check_call, sharding_of
 from .comm import all_to_all_stacked, sized_group
+from .failures import failing_together
 from .documents import DocumentSharding
 from .registration import fake_result, register_head_exchange
 
@@ -134,7 +135,8 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group_name: str, group_si
     sharding = check_call(q, k, v, groups, strategy="ulysses", scale=scale, is_causal=is_causal, layout=layout,
                           window=window, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, head_split=group_size)
     forward, _ = whole_sequence_attention(sharding, scale, is_causal, window)
-    out, lse, *heads = exchange_forward(q, k, v, group, sharding, forward)
+    with failing_together("attn_cp::ulysses_attention"):
+        out, lse, *heads = exchange_forward(q, k, v, group, sharding, forward)
     return out, lse, *kept_head_shards(heads, cu_seqlens is not None)
 
 
@@ -159,10 +161,11 @@ def ulysses_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, ou
                                ) -> tuple[Tensor, Tensor, Tensor]:
     """q, k, v, out and lse are the forward's head shards; for packed documents, the sequence shards."""
     (group,) = groups = (sized_group(group_name, group_size),)
-    sharding = sharding_of(dout, groups, layout, cu_seqlens)
-    _, backward = whole_sequence_attention(sharding, scale, is_causal, (window_left, window_right))
-    heads = saved_head_shards(q, k, v, out, lse, group, sharding, cu_seqlens is not None)
-    return exchange_backward(dout, heads, kv_heads, group, sharding, backward)
+    with failing_together("attn_cp::ulysses_attention_backward"):
+        sharding = sharding_of(dout, groups, layout, cu_seqlens)
+        _, backward = whole_sequence_attention(sharding, scale, is_causal, (window_left, window_right))
+        heads = saved_head_shards(q, k, v, out, lse, group, sharding, cu_seqlens is not None)
+        return exchange_backward(dout, heads, kv_heads, group, sharding, backward)
 
 
 register_head_exchange(ulysses_attention, ulysses_attention_backward)
