@@ -1,11 +1,16 @@
-"""The context-parallel benchmark's CPU parts: its `auto` row and its refusal to run outside torchrun
-(the timing itself needs GPUs)."""
+"""The context-parallel benchmark's CPU parts: its `auto` row, its refusal to run outside torchrun
+(the timing itself needs GPUs), and ``check`` on CPU gloo ranks, which prints each case as it
+finishes."""
+import io
+import os
+from contextlib import redirect_stdout
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from attn_compile.cp import bench
+from dist_harness import run_distributed
 
 
 def test_auto_row_names_the_choice_and_its_ratios():
@@ -18,10 +23,34 @@ def test_auto_row_names_the_choice_and_its_ratios():
     assert row[30:].split() == ["400", "380", "0.80", "/", "0.95", "1.05", "/", "1.05"], row
 
 
-def test_needs_torchrun(monkeypatch, capsys):
+def test_needs_torchrun_and_sets_no_nccl_environment(monkeypatch, capsys):
+    """Whoever launches a run sets NCCL's environment (NVLink multicast, say), not the benchmark."""
     monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")  # main sets its default; keep the test's environment as it was
+    monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["--seq", "1024"])
     assert exit_info.value.code == 2
     assert "run under torchrun" in capsys.readouterr().err
+    assert "NCCL_NVLS_ENABLE" not in os.environ
+
+
+def _check_on_cpu(rank, world):
+    """``check`` on a small config: before each case runs, every case before it has been printed."""
+    bench.DEVICE, bench.CONFIGS = "cpu", {"gqa 4/2 d16/8": (4, 2, 16, 8)}
+    printed, lines_before_each = io.StringIO(), []
+    attention = bench.context_parallel_attention
+
+    def counting(*args, **kwargs):
+        lines_before_each.append(printed.getvalue().count("\n"))
+        return attention(*args, **kwargs)
+
+    bench.context_parallel_attention = counting
+    with redirect_stdout(printed):
+        assert bench.check(32, bench._groups(world)) == 0
+    if rank == 0:  # 2 header lines, then one line per case
+        assert lines_before_each == list(range(2, 2 + len(lines_before_each))), (lines_before_each, printed.getvalue())
+        assert printed.getvalue().count("\n") == 2 + len(lines_before_each) == 11, printed.getvalue()
+
+
+def test_check_prints_each_case_as_it_finishes():
+    run_distributed(_check_on_cpu, 2)

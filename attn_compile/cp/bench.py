@@ -120,6 +120,12 @@ def _torch_cp_ms(mesh, h_q, h_kv, d_qk, d_v, seq, rotate):
         return _collective_median_ms(fwd), _collective_median_ms(fwd_bwd)
 
 
+def say(*lines) -> None:
+    """Prints ``lines`` on rank 0 at once, so that a long run shows each case as it finishes."""
+    if dist.get_rank() == 0:
+        print("\n".join(lines), flush=True)
+
+
 def _row(name, tflops, local=None, peer=None):
     text = f"  {name:28s} {tflops[0]:7.0f} {tflops[1]:8.0f}"
     for base in (local, peer):
@@ -133,27 +139,26 @@ def auto_name(q, k, v, groups) -> str:
 
 
 def benchmark(seqs, groups) -> None:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     torch_cp_mesh = init_device_mesh(DEVICE, (world,))
-    lines = [f"context parallel, {world}x {torch.cuda.get_device_name()}, bf16, causal, batch 1. TFLOP/s per GPU; "
-             "ratios vs the single-GPU local kernels and vs the best PyTorch CP, fwd / fwd+bwd"]
+    say(f"context parallel, {world}x {torch.cuda.get_device_name()}, bf16, causal, batch 1. TFLOP/s per GPU; "
+        "ratios vs the single-GPU local kernels and vs the best PyTorch CP, fwd / fwd+bwd")
     for (config, (h_q, h_kv, d_qk, d_v)), seq in ((c, s) for c in CONFIGS.items() for s in seqs):
         per_gpu = [_flops(h_q, seq, d_qk, d_v, bwd) / world / 1e9 for bwd in (False, True)]  # TFLOP per ms
-        lines.append(f"{f'{config}, {seq} tokens':30s} {'fwd':>7s} {'fwd+bwd':>8s}   {'vs local':>12s}   "
-                     f"{'vs torch CP':>12s}")
+        say(f"{f'{config}, {seq} tokens':30s} {'fwd':>7s} {'fwd+bwd':>8s}   {'vs local':>12s}   {'vs torch CP':>12s}")
         local_seq = int(seq / math.sqrt(world)) // 128 * 128
         local_ms = _local_ms(h_q, h_kv, d_qk, d_v, local_seq)
         local = [_flops(h_q, local_seq, d_qk, d_v, bwd) / 1e9 / ms for bwd, ms in zip((False, True), local_ms)]
-        lines.append(_row(f"local, {local_seq} tokens", local))
+        say(_row(f"local, {local_seq} tokens", local))
         peers = []
         for rotate in ("allgather", "alltoall"):
             try:
                 ms = _torch_cp_ms(torch_cp_mesh, h_q, h_kv, d_qk, d_v, seq, rotate)
             except Exception as error:  # the peer has known gaps (e.g. MLA); report them and go on
-                lines.append(f"  torch CP {rotate}: failed, {type(error).__name__}: {str(error)[:150]}")
+                say(f"  torch CP {rotate}: failed, {type(error).__name__}: {str(error)[:150]}")
                 continue
             peers.append([f / t for f, t in zip(per_gpu, ms)])
-            lines.append(_row(f"torch CP {rotate}", peers[-1], local))
+            say(_row(f"torch CP {rotate}", peers[-1], local))
         best_peer = max(peers, key=lambda p: p[1]) if peers else None
         for strategy, group in [*_runnable(groups, h_q, world), ("auto", dist.group.WORLD)]:
             q, k, v = (shard_sequence(x, group).detach().requires_grad_()
@@ -162,9 +167,7 @@ def benchmark(seqs, groups) -> None:
                 q, k, v, group=group, strategy=strategy, is_causal=True), q, k, v)
             ms = _collective_median_ms(fwd), _collective_median_ms(fwd_bwd)
             name = strategy if strategy != "auto" else auto_name(q, k, v, process_groups(group))
-            lines.append(_row(name, [f / t for f, t in zip(per_gpu, ms)], local, best_peer))
-    if rank == 0:
-        print("\n".join(lines), flush=True)
+            say(_row(name, [f / t for f, t in zip(per_gpu, ms)], local, best_peer))
 
 
 def _rel_err(got, want) -> float:
@@ -174,10 +177,10 @@ def _rel_err(got, want) -> float:
 def check(seq: int, groups) -> int:
     """bf16 context parallel against float32 on one GPU, causal and with a causal window of
     seq/8; returns the number of failed cases."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    lines = [f"check: bf16 context parallel vs float32 single GPU, {seq} tokens, causal; relative error "
-             f"(tolerance {CHECK_TOLERANCE})", f"  {'config':16s} {'strategy':10s} {'window':>12s} {'out':>9s} "
-                                               f"{'dq':>9s} {'dk':>9s} {'dv':>9s}"]
+    world = dist.get_world_size()
+    say(f"check: bf16 context parallel vs float32 single GPU, {seq} tokens, causal; relative error "
+        f"(tolerance {CHECK_TOLERANCE})",
+        f"  {'config':16s} {'strategy':10s} {'window':>12s} {'out':>9s} {'dq':>9s} {'dk':>9s} {'dv':>9s}")
     failures = 0
     for (config, (h_q, h_kv, d_qk, d_v)), window in itertools.product(CONFIGS.items(), ((-1, -1), (seq // 8, 0))):
         torch.manual_seed(0)  # the same global inputs on every rank
@@ -196,10 +199,8 @@ def check(seq: int, groups) -> int:
                           for x, w in zip((out_local, *grads), want)]
                 ok = max(errors) <= CHECK_TOLERANCE
                 failures += not ok
-                lines.append(f"  {config:16s} {strategy + ' ' + layout[:3]:14s} {str(window):>12s} "
-                             + " ".join(f"{e:9.2e}" for e in errors) + ("" if ok else "  FAIL"))
-    if rank == 0:
-        print("\n".join(lines), flush=True)
+                say(f"  {config:16s} {strategy + ' ' + layout[:3]:14s} {str(window):>12s} "
+                    + " ".join(f"{e:9.2e}" for e in errors) + ("" if ok else "  FAIL"))
     return failures
 
 
@@ -212,15 +213,12 @@ def link_bandwidth() -> None:
         "all-gather": (lambda: all_gather_stacked(x, (group,)), x.numel() * 2 * (world - 1)),
         "all-to-all": (lambda: all_to_all_stacked(x.view(world, -1), group), x.numel() * 2 * (world - 1) / world),
     }
-    lines = [f"links, {world}x {torch.cuda.get_device_name()}: GB/s each way per GPU, 256 MiB per rank"]
+    say(f"links, {world}x {torch.cuda.get_device_name()}: GB/s each way per GPU, 256 MiB per rank")
     for name, (move, sent_bytes) in moves.items():
-        lines.append(f"  {name:26s} {sent_bytes / (_collective_median_ms(move) * 1e6):8.1f}")
-    if dist.get_rank() == 0:
-        print("\n".join(lines), flush=True)
+        say(f"  {name:26s} {sent_bytes / (_collective_median_ms(move) * 1e6):8.1f}")
 
 
 def main(argv=None) -> int:
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the lent machines
     parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m attn_compile.bench cp")
     parser.add_argument("--seq", type=int, nargs="+", default=None,
                         help="global tokens (default 65536 131072; --check: 8192)")

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from attn_compile.varlen import varlen_attention
 
-from .bench import CHECK_TOLERANCE, DEVICE, _collective_median_ms, _fwd_and_bwd, _rel_err, _runnable
+from .bench import CHECK_TOLERANCE, DEVICE, _collective_median_ms, _fwd_and_bwd, _rel_err, _runnable, say
 from .documents import shard_varlen, unshard_varlen
 
 HEADS = (32, 8, 128, 128)  # GQA 32/8 d128
@@ -58,9 +58,9 @@ def check(groups) -> int:
     world = dist.get_world_size()
     lengths = mixed_lengths(16384, seed=0, shortest=64, longest=4096, tiny=(1, 2 * world - 1, 1))
     cu, longest = _cu(lengths), max(lengths)
-    lines = [f"check: bf16 varlen_attention under CP vs float32 on one GPU, {len(lengths)} documents, "
-             f"{sum(lengths)} tokens; relative error (tolerance {CHECK_TOLERANCE})",
-             f"  {'strategy':10s} {'window':>12s} {'causal':>6s} {'out':>9s} {'dq':>9s} {'dk':>9s} {'dv':>9s}"]
+    say(f"check: bf16 varlen_attention under CP vs float32 on one GPU, {len(lengths)} documents, "
+        f"{sum(lengths)} tokens; relative error (tolerance {CHECK_TOLERANCE})",
+        f"  {'strategy':10s} {'window':>12s} {'causal':>6s} {'out':>9s} {'dq':>9s} {'dk':>9s} {'dv':>9s}")
     failures = 0
     for window, is_causal in itertools.product(((1024, 0), (1024, 1024), (-1, -1)), (True, False)):
         torch.manual_seed(0)  # the same global inputs on every rank
@@ -76,10 +76,8 @@ def check(groups) -> int:
             errors = [_rel_err(unshard_varlen(x.detach(), cu, group), w) for x, w in zip((out_local, *grads), want)]
             ok = max(errors) <= CHECK_TOLERANCE
             failures += not ok
-            lines.append(f"  {strategy:10s} {str(window):>12s} {str(is_causal):>6s} "
-                         + " ".join(f"{e:9.2e}" for e in errors) + ("" if ok else "  FAIL"))
-    if dist.get_rank() == 0:
-        print("\n".join(lines), flush=True)
+            say(f"  {strategy:10s} {str(window):>12s} {str(is_causal):>6s} "
+                + " ".join(f"{e:9.2e}" for e in errors) + ("" if ok else "  FAIL"))
     return failures
 
 
@@ -112,22 +110,19 @@ def benchmark(groups, total: int = 131072, window=(4096, 0)) -> None:
     world = dist.get_world_size()
     lengths = mixed_lengths(total, seed=0)
     padded = [-(-n // (2 * world)) * 2 * world for n in lengths]
-    lines = [f"packed documents under CP, {world}x {torch.cuda.get_device_name()}, bf16, causal GQA 32/8 d128, "
-             f"{len(lengths)} documents of {min(lengths)}..{max(lengths)} tokens, {total} in all "
-             f"({sum(padded) - total} more when padded to multiples of 2·cp). TFLOP/s per GPU of visible pairs, "
-             "fwd / fwd+bwd, and ratio to the single-GPU op on the whole batch",
-             f"  {'strategy':17s} {'window':>10s} {'fwd':>7s} {'fwd+bwd':>8s}   {'vs local':>12s}   "
-             f"{'ms fwd+bwd':>10s}"]
+    say(f"packed documents under CP, {world}x {torch.cuda.get_device_name()}, bf16, causal GQA 32/8 d128, "
+        f"{len(lengths)} documents of {min(lengths)}..{max(lengths)} tokens, {total} in all "
+        f"({sum(padded) - total} more when padded to multiples of 2·cp). TFLOP/s per GPU of visible pairs, "
+        "fwd / fwd+bwd, and ratio to the single-GPU op on the whole batch",
+        f"  {'strategy':17s} {'window':>10s} {'fwd':>7s} {'fwd+bwd':>8s}   {'vs local':>12s}   {'ms fwd+bwd':>10s}")
     for case_window in (window, (-1, -1)):
         local = _tflops_per_gpu(lengths, case_window, _local_ms(lengths, case_window), 1)
-        lines.append(f"  {'local':17s} {str(case_window):>10s} {local[0]:7.0f} {local[1]:8.0f}")
+        say(f"  {'local':17s} {str(case_window):>10s} {local[0]:7.0f} {local[1]:8.0f}")
         for (strategy, group), pad in itertools.product(_runnable(groups, HEADS[0], world), (False, True)):
             if pad and case_window != window:
                 continue
             ms = _cp_ms(padded if pad else lengths, case_window, strategy, group)
             tflops = _tflops_per_gpu(lengths, case_window, ms, world)  # padding is overhead, not work
             name = f"{strategy}{' padded' if pad else ''}"
-            lines.append(f"  {name:17s} {str(case_window):>10s} {tflops[0]:7.0f} {tflops[1]:8.0f}   "
-                         f"{tflops[0] / local[0]:5.2f} / {tflops[1] / local[1]:4.2f}   {ms[1]:10.2f}")
-    if dist.get_rank() == 0:
-        print("\n".join(lines), flush=True)
+            say(f"  {name:17s} {str(case_window):>10s} {tflops[0]:7.0f} {tflops[1]:8.0f}   "
+                f"{tflops[0] / local[0]:5.2f} / {tflops[1] / local[1]:4.2f}   {ms[1]:10.2f}")

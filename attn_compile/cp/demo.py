@@ -98,7 +98,6 @@ def _spawned(rank, world, device, init_method, results):
 def main(world: int = 2, device: str = "cpu") -> int:
     if world not in (2, 4, 8):
         raise ValueError(f"world must be 2, 4 or 8 (ulysses splits the {H_Q} query heads among the ranks); got {world}")
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the lent machines
     if "RANK" in os.environ:  # started by torchrun: join its processes
         if int(os.environ["WORLD_SIZE"]) != world:
             raise ValueError(f"world={world}, but torchrun started WORLD_SIZE={os.environ['WORLD_SIZE']} processes")
