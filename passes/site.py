@@ -27,6 +27,14 @@ class Site:
         return f"{self.location or self.node}: {shapes} {outcome}{notes}"
 
 
+def _module_name(path: str) -> str:
+    """Dynamo's source of a module ("L['self'].blocks.0", "G['blocks'].0") as ``named_modules()``
+    names it: a local (the compiled module or an argument) is the model itself, so its name is
+    dropped; a global module keeps its own name as the first part ("blocks.0")."""
+    path = re.sub(r"^L\['[^']+'\]\.?", "", path)
+    return re.sub(r"^G\['([^']+)'\]", r"\1", path)
+
+
 def location_of(node) -> str:
     """'layers.0.attn @ model.py:42' from dynamo's node metadata (either part may be missing); the
     line is the innermost one outside torch (a varlen_attn call's, not the line in torch that
@@ -34,8 +42,7 @@ def location_of(node) -> str:
     modules = node.meta.get("nn_module_stack") or {}
     module = ""
     if modules:
-        path = list(modules.values())[-1][0]
-        module = re.sub(r"^L\['[^']+'\]\.?", "", path)
+        module = _module_name(list(modules.values())[-1][0])
     trace = (node.meta.get("stack_trace") or "").strip().splitlines()
     line = ""
     for entry in reversed(trace):

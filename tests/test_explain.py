@@ -28,6 +28,26 @@ attn_compile: 2 attention site(s), 2 rewritten, 0 left as is
         self.assertTrue(str(report).startswith("attn_compile: 1 attention site(s), 0 rewritten, 1 left as is"))
 
 
+class _Attention(torch.nn.Module):
+    def forward(self, x):
+        return F.scaled_dot_product_attention(x, x, x)
+
+
+_GLOBAL_BLOCKS = torch.nn.ModuleList([_Attention(), _Attention()])
+
+
+def test_layer_of_a_global_module_list_is_named_as_named_modules_names_it():
+    """Dynamo's source for it is "G['_GLOBAL_BLOCKS'].0"."""
+    def fn(x):
+        for block in _GLOBAL_BLOCKS:
+            x = block(x)
+        return x
+
+    report = attn_compile.explain(fn, torch.randn(1, 2, 4, 8))
+    names = [f"_GLOBAL_BLOCKS.{name}" for name, _ in _GLOBAL_BLOCKS.named_children()]
+    assert [site.location.split(" @ ")[0] for site in report.sites] == names == ["_GLOBAL_BLOCKS.0", "_GLOBAL_BLOCKS.1"]
+
+
 class _Causal(torch.nn.Module):
     def forward(self, q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
