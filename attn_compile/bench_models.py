@@ -188,6 +188,8 @@ def main(argv=None) -> int:
     parser.add_argument("--mode", choices=("reduce-overhead", "max-autotune-no-cudagraphs"),
                         help="torch.compile mode for both sides (reduce-overhead: CUDA graphs, no per-call host time)")
     args = parser.parse_args(argv)
+    if not args.tiny and not torch.cuda.is_available():
+        parser.error("needs a CUDA device (torch.cuda.is_available() is False here); --tiny runs on the CPU")
     device = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
     seqs = args.seq or ([32] if args.tiny else [4096, 8192])

@@ -368,12 +368,14 @@ def _chosen(shape):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="bench kernels", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m attn_compile.bench kernels", description=__doc__.splitlines()[0])
     parser.add_argument("--peers", default="cudnn,flash,fa4,flex", help="comma-separated subset of " + ",".join(PEERS))
     parser.add_argument("--flex-everywhere", action="store_true", help="run flex_attention on SDPA's shapes too")
     parser.add_argument("--only", nargs="*", default=(), help="run only shapes whose name contains one of these")
     parser.add_argument("--plot", help="also draw the table into this PNG (needs matplotlib)")
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA device (torch.cuda.is_available() is False here)")
     peers = [p for p in args.peers.split(",") if p]
     unknown = set(peers) - set(PEERS)
     if unknown:

@@ -229,6 +229,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if "RANK" not in os.environ:
         parser.error("run under torchrun: the world size and ranks come from its environment")
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA device per rank (torch.cuda.is_available() is False here)")
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl")
     try:
