@@ -11,6 +11,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from attn_compile.cp.api import choose_strategy, context_parallel_attention as cpa
 from attn_compile import shard_varlen, varlen_attention
+from attn_compile.cp.documents import document_sharding
 from attn_compile.cp.layout import shard_sequence, unshard_sequence
 from dist_harness import run_distributed
 
@@ -89,9 +90,9 @@ def test_bad_calls_raise_on_every_rank():
 
 
 def _disagree(rank, message):
-    """Every rank raises: the bad one its own error or the listing of the ranks' calls."""
-    return pytest.raises(ValueError, match=f"^({re.escape(message)}|q, k, v and the options must be the same on every "
-                                           f"rank of the group; got rank 0: .*)$")
+    """Every rank raises the same error, which leads with rank 1's problem and then lists the ranks' calls."""
+    return pytest.raises(ValueError, match=f"^rank 1: {re.escape(message)} \\(every rank of the group raises this; "
+                                           f"their calls: rank 0: .*\\)$")
 
 
 def _check_calls_bad_on_one_rank(rank, world):
@@ -110,14 +111,40 @@ def _check_calls_bad_on_one_rank(rank, world):
     k, _ = shard_varlen(torch.randn(16, 2, 8), cu, group)
     with _disagree(rank, f"q must be 3-D (total_tokens, heads, dim); got shape (1, {q.shape[0]}, 4, 8)"):
         varlen_attention(q[None] if rank else q, k, k, cu, cu, 11, 11, group=group, is_causal=True)
-    with _disagree(rank, ""):  # which collectives the backward runs: a difference would hang it
-        cpa(*_qkv(), group=group, strategy="allgather", recompute_kv=rank == 1)
+    with pytest.raises(ValueError, match="^q, k, v and the options must be the same on every rank of the group; "
+                                         "got rank 0: .*recompute_kv=False; rank 1: .*recompute_kv=True$"):
+        cpa(*_qkv(), group=group, strategy="allgather", recompute_kv=rank == 1)  # it decides the backward's collectives
     out = cpa(*_qkv(), group=group, strategy="allgather")  # the group still works after the errors
     assert out.shape == (1, 4, 8, 16) and out.isfinite().all()
 
 
 def test_a_call_bad_on_one_rank_raises_on_every_rank():
     run_distributed(_check_calls_bad_on_one_rank, 2)
+
+
+def _check_packed_calls_bad_on_every_rank(rank, world):
+    group = dist.group.WORLD
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32)
+    for layout in ("zigzag", "contiguous"):
+        q, k, v = (shard_varlen(torch.randn(16, h, 8), cu, group, layout)[0] for h in (4, 2, 2))
+        # shards that differ in length from rank to rank (contiguous: 9 and 7 tokens) agree on this call
+        _raises("strategy='hybrid' needs group to be a 2-D DeviceMesh (outer ring dim, inner Ulysses dim); got a 1-D "
+                "group", varlen_attention, q, k, v, cu, cu, 11, 11, group=group, strategy="hybrid", layout=layout)
+        # every rank's token count disagrees with cu_seqlens: the error leads with that, for each rank
+        # (zigzag: 8 tokens on either rank, the same error; contiguous: 9 and 7, each rank's own)
+        counts = [document_sharding((0, 5, 16), world, layout).local_len(r) for r in range(world)]
+        causes = [f"q, k, v hold {n + 1} tokens, but cu_seqlens gives this rank {n} (shard the batch with "
+                  f"shard_varlen)" for n in counts]
+        expected = (re.escape(causes[0]) if len(set(causes)) == 1 else
+                    re.escape("; ".join(f"rank {r}: {cause}" for r, cause in enumerate(causes)))
+                    + " \\(every rank of the group raises this\\)")
+        with pytest.raises(ValueError, match=f"^{expected}$"):
+            varlen_attention(*(torch.cat([x, x[:1]]) for x in (q, k, v)), cu, cu, 11, 11, group=group,
+                             strategy="ring", layout=layout)
+
+
+def test_packed_calls_bad_on_every_rank_lead_with_the_cause():
+    run_distributed(_check_packed_calls_bad_on_every_rank, 2)
 
 
 def _groups(*sizes):

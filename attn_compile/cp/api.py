@@ -115,7 +115,7 @@ def context_parallel_attention(q, k, v, *, group, strategy="auto", is_causal=Fal
     groups = process_groups(group)
     problem = _call_problem(q, k, v, groups, strategy, window)
     if problem:
-        raise_on_every_rank(groups, q, k, v, problem)
+        raise_on_every_rank(groups, q, k, v, problem, packed=cu_seqlens is not None)
     window = window_pair(window)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if cp_size(groups) == 1 and cu_seqlens is None:

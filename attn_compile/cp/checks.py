@@ -35,21 +35,33 @@ def _gather_bytes(data: bytes, size: int, groups) -> list[bytes]:
     return [bytes(r.tolist()) for r in all_gather_stacked(row, host_groups(groups))]
 
 
-def check_same_on_all_ranks(groups, q, k, v, packed=False, **options) -> None:
-    """Raises the same ValueError on every rank unless all ranks pass like shapes and options."""
-    signature = _signature(q, k, v, options, packed).encode()
-    if len(set(_gather_bytes(hashlib.blake2b(signature, digest_size=_DIGEST_BYTES).digest(), _DIGEST_BYTES,
+def check_same_on_all_ranks(groups, q, k, v, packed=False, problem=None, **options) -> None:
+    """Raises the same ValueError on every rank unless all ranks pass like shapes and options and
+    found the same ``problem`` (a rank-local error found before, or None). The error leads with
+    the ranks' problems, where there are any: they are the cause, the calls differ through them."""
+    signature = _signature(q, k, v, options, packed)
+    agreed = f"{signature}, problem={problem!r}".encode()
+    if len(set(_gather_bytes(hashlib.blake2b(agreed, digest_size=_DIGEST_BYTES).digest(), _DIGEST_BYTES,
                              groups))) == 1:
         return
-    signatures = [s.rstrip(b"\0").decode(errors="replace") for s in _gather_bytes(signature, _SIGNATURE_BYTES, groups)]
-    listing = "; ".join(f"rank {rank}: {s}" for rank, s in enumerate(signatures))
-    raise ValueError(f"q, k, v and the options must be the same on every rank of the group; got {listing}")
+    signatures = _gather_text(signature, groups)
+    calls = "; ".join(f"rank {rank}: {s}" for rank, s in enumerate(signatures))
+    problems = "; ".join(f"rank {rank}: {p}" for rank, p in enumerate(_gather_text(problem or "", groups)) if p)
+    if not problems:
+        raise ValueError(f"q, k, v and the options must be the same on every rank of the group; got {calls}")
+    differ = f"; their calls: {calls}" if len(set(signatures)) > 1 else ""
+    raise ValueError(f"{problems} (every rank of the group raises this{differ})")
 
 
-def raise_on_every_rank(groups, q, k, v, problem: str):
+def _gather_text(text: str, groups) -> list[str]:
+    return [s.rstrip(b"\0").decode(errors="replace") for s in _gather_bytes(text.encode(), _SIGNATURE_BYTES, groups)]
+
+
+def raise_on_every_rank(groups, q, k, v, problem: str, packed: bool = False):
     """Raises ValueError(problem) here, for a call that found it before reaching ``check_call``, and
-    on every other rank of the group too: they meet this call in check_call's agreement, which fails."""
-    check_same_on_all_ranks(groups, q, k, v, problem=problem)
+    on every other rank of the group too: they meet this call in check_call's agreement, which fails.
+    ``packed``: q, k, v are shards of packed documents, whose token counts differ from rank to rank."""
+    check_same_on_all_ranks(groups, q, k, v, packed, problem=problem)
     raise ValueError(problem)
 
 
@@ -80,7 +92,7 @@ def _packed_sharding(q, k, v, groups, layout, cu_seqlens, values, max_seqlen):
     held = {name: x.shape[2] for name, x in (("q", q), ("k", k), ("v", v))}
     if set(held.values()) != {expected}:
         holding = ("q, k, v hold {q}" if len(set(held.values())) == 1 else "q holds {q}, k {k}, v {v}").format(**held)
-        return sharding, (f"{holding} tokens on rank {cp_rank(groups)}, but cu_seqlens gives this rank {expected} "
+        return sharding, (f"{holding} tokens, but cu_seqlens gives this rank {expected} "
                           f"(shard the batch with shard_varlen)")
     return sharding, None
 
@@ -108,13 +120,14 @@ def check_call(q, k, v, groups, *, strategy: str, scale: float, is_causal: bool,
     options = dict(strategy=strategy, scale=scale, is_causal=is_causal, layout=layout, window=tuple(window),
                    recompute_kv=recompute_kv)  # recompute_kv decides the backward's collectives
     packed = cu_seqlens is not None
+    problem = None
     if packed:  # the values are read once: on a GPU each read is a device sync
         values = cu_seqlens.tolist()
         options["cu_seqlens"] = f"{len(values) - 1} documents, crc {zlib.crc32(str(values).encode()):08x}"
-        sharding, options["problem"] = _packed_sharding(q, k, v, groups, layout, cu_seqlens, values, max_seqlen)
-    check_same_on_all_ranks(groups, q, k, v, packed, **options)
-    if packed and options["problem"]:
-        raise ValueError(options["problem"])
+        sharding, problem = _packed_sharding(q, k, v, groups, layout, cu_seqlens, values, max_seqlen)
+    check_same_on_all_ranks(groups, q, k, v, packed, problem=problem, **options)
+    if problem:
+        raise ValueError(problem)
     check_inputs(q, k, v, groups, layout=layout, window=tuple(window), head_split=head_split, strategy=strategy,
                  packed=packed)
     return sharding if packed else sharding_of(q, groups, layout)
