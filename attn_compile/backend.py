@@ -80,6 +80,22 @@ def _compile_unchanged(gm, example_inputs, opts, mode, failed: str):
     return _inner_compile(gm, example_inputs, opts["inner"], mode)
 
 
+def _warn_ineffective(given, opts, mode, cuda_graphs: bool, sites, distributed, example_inputs) -> None:
+    """Name the options that do nothing for this graph, so a user does not believe them in force."""
+    if sites and not distributed:
+        for name in ("strategy", "hardware"):
+            if name in given:
+                warnings.warn(f"attn_compile: options[{name!r}] has no effect: it steers distributed attention, and "
+                              f"no attention of this graph is distributed (no options['mesh'], no DTensor q, k, v)",
+                              stacklevel=3)
+    if "layout" in given and opts["mesh"] is None:
+        warnings.warn("attn_compile: options['layout'] has no effect without options['mesh']: it is the layout of "
+                      "the mesh's sequence shards (DTensor shards are contiguous)", stacklevel=3)
+    if cuda_graphs and not any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs):
+        warnings.warn(f"attn_compile: mode={mode!r} records CUDA graphs, which has no effect here: no input of this "
+                      f"graph is on a CUDA device", stacklevel=3)
+
+
 def attn_cp(gm, example_inputs, *, mode=None, options=None):
     """torch.compile backend; ``options`` keys and defaults are in ``DEFAULT_OPTIONS``."""
     opts = parse_options(options)
@@ -89,13 +105,14 @@ def attn_cp(gm, example_inputs, *, mode=None, options=None):
     try:
         cuda_graphs = mode is not None and torch._inductor.list_mode_options(mode).get("triton.cudagraphs", False)
         sites = rewrite_attention(candidate, cuda_graphs=cuda_graphs)
-        distribute_attention(candidate, sites, mesh=opts["mesh"], layout=opts["layout"], strategy=opts["strategy"],
-                             hardware=opts["hardware"])
+        distributed = distribute_attention(candidate, sites, mesh=opts["mesh"], layout=opts["layout"],
+                                           strategy=opts["strategy"], hardware=opts["hardware"])
     except (PassFailure, MaskNotDistributed) as failure:
         if not _may_compile_unchanged(opts):
             raise
         reason = f"the attention passes failed {failure}" if isinstance(failure, PassFailure) else str(failure)
         return _compile_unchanged(gm, example_inputs, opts, mode, reason)
+    _warn_ineffective(set(options or {}), opts, mode, cuda_graphs, sites, distributed, example_inputs)
     try:
         return _inner_compile(candidate, example_inputs, opts["inner"], mode)
     except Exception as error:  # e.g. Inductor's flex_attention lowering finding no kernel for a shape

@@ -159,6 +159,42 @@ def test_an_unknown_mode_is_reported_as_itself(recwarn):
     assert not [w for w in recwarn if "compiled unchanged" in str(w.message)]
 
 
+def _causal(q):
+    return F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+
+def _ineffective_warnings(recwarn) -> list[str]:
+    return [str(w.message) for w in recwarn if "has no effect" in str(w.message)]
+
+
+@pytest.mark.parametrize("options, expected", [
+    ({"strategy": "ring"}, ["attn_compile: options['strategy'] has no effect: it steers distributed attention, and "
+                            "no attention of this graph is distributed (no options['mesh'], no DTensor q, k, v)"]),
+    ({"hardware": backend.cost_model.Hardware()},
+     ["attn_compile: options['hardware'] has no effect: it steers distributed attention, and no attention of this "
+      "graph is distributed (no options['mesh'], no DTensor q, k, v)"]),
+    ({"layout": "contiguous"}, ["attn_compile: options['layout'] has no effect without options['mesh']: it is the "
+                                "layout of the mesh's sequence shards (DTensor shards are contiguous)"]),
+    ({"inner": "eager"}, []),
+])
+def test_options_without_a_mesh_or_dtensors_warn_that_they_have_no_effect(recwarn, options, expected):
+    torch._dynamo.reset()
+    q = torch.randn(1, 2, 8, 4)
+    torch.compile(_causal, backend="attn_cp", options={"inner": "eager", **options})(q)
+    assert _ineffective_warnings(recwarn) == expected
+
+
+def test_cuda_graph_modes_on_the_cpu_warn_that_they_have_no_effect(recwarn, monkeypatch):
+    monkeypatch.setattr(backend, "_inner_compile", lambda gm, example_inputs, inner, mode: gm.forward)
+    for mode, expected in (("reduce-overhead", True), ("max-autotune", True), ("max-autotune-no-cudagraphs", False)):
+        torch._dynamo.reset()
+        recwarn.clear()
+        torch.compile(_causal, backend="attn_cp", mode=mode)(torch.randn(1, 2, 8, 4))
+        assert _ineffective_warnings(recwarn) == ([f"attn_compile: mode={mode!r} records CUDA graphs, which has no "
+                                                  f"effect here: no input of this graph is on a CUDA device"]
+                                                 if expected else [])
+
+
 def test_inductor_caches_key_on_the_package_source(monkeypatch):
     """Inductor caches compiled code by graph, config and torch version; code cached with other
     versions of the ops (whose fake functions may lay results out otherwise) must not come back.
