@@ -42,9 +42,8 @@ def _claimed(structure, index: dict, gather) -> torch.Tensor:
         visible &= diff <= structure.right
     if structure.left is not None:
         visible &= diff >= -structure.left
-    if structure.key_padding is not None:
-        visible = visible & gather(Gather(structure.key_padding, (Affine.index(B), Affine.index(J))),
-                                   [index[B], index[J]])
+    if structure.key_padding is not None:  # the term as the formula reads it, data included
+        visible = visible & torch.as_tensor(evaluate(structure.key_padding, index, gather))
     if structure.documents is not None:
         document = [gather(Gather(structure.documents, (Affine.index(B), Affine.index(axis))), [index[B], index[axis]])
                     for axis in (I, J)]

@@ -24,6 +24,7 @@ models' padding queries under left padding); HF never reads those rows.
 """
 import dataclasses
 import math
+import operator
 from typing import Optional
 
 import torch
@@ -31,10 +32,10 @@ from torch.fx import Node
 
 from .call import AttentionCall, empty_row_note
 from .flex_mask import to_flex
-from .index_formula import (B, HARD_NEGATIVES, I, J, Affine, Compare, Eq, Gather, Le, Number, Select, all_of,
-                            conjuncts, negate, same_document)
+from .index_formula import (B, HARD_NEGATIVES, I, J, Affine, Compare, Eq, Gather, Le, Not, Number, Select, all_of,
+                            axes_of, conjuncts, negate, same_document)
 from .mask_proof import prove
-from .mask_trace import MaskTracer, Unsupported, fixed_unit_axes
+from .mask_trace import MIRRORED, MaskTracer, Unsupported, fixed_unit_axes
 from .nodes import is_mutated
 from .position_runs import as_index_comparisons
 from .shapes import example_tensor, guarded_shape, hinted_shape
@@ -44,7 +45,7 @@ from .shapes import example_tensor, guarded_shape, hinted_shape
 class Structure:
     left: Optional[int] = None  # j >= i - left
     right: Optional[int] = None  # j <= i + right
-    key_padding: Optional[Node] = None  # (B, S_k) bool, True = a real key
+    key_padding: Optional[object] = None  # the formula's term that says key j of row b is real (key_padding_term)
     documents: Optional[Node] = None  # (B, S) document ids: a key is seen only from its own document
 
     def __str__(self) -> str:
@@ -56,7 +57,7 @@ class Structure:
         if self.left is not None:
             parts.append(f"window_left={self.left}")
         if self.key_padding is not None:
-            parts.append(f"key_padding_mask={self.key_padding.name}")
+            parts.append(f"key_padding_mask={_padding_name(self.key_padding)}")
         if self.documents is not None:
             parts.append(f"document_ids={self.documents.name}")
         return " + ".join(parts) or "every key visible"
@@ -101,9 +102,36 @@ def _bounds(atom: Le, left, right):
     raise Unsupported(f"'{atom}' is not a causal or sliding-window bound")
 
 
-def _is_key_padding(atom, rows) -> bool:
-    return isinstance(atom, Gather) and len(atom.index) == 2 and atom.index[0] in rows and \
-        atom.index[1] == Affine.index(J)
+def _key_read(element, rows) -> bool:
+    """element is data[row, c, ..., j]: read at the batch row, constant indices (the size-1 axes of a
+    (B, 1, 1, S_k) tensor) and the key index."""
+    return isinstance(element, Gather) and len(element.index) >= 2 and element.index[0] in rows and \
+        element.index[-1] == Affine.index(J) and not any(axes_of(x) for x in element.index[1:-1])
+
+
+def key_padding_term(atom, rows):
+    """``atom`` as a key-padding term where it says whether key j of row b is real, else None: bool
+    data read at [row, c, ..., j], its negation, or such data compared with a constant, the data
+    first (``p[b, j] == 1``; ``p[b, j] != 0`` is ``p.bool()``, however the cast and the indexing
+    are ordered)."""
+    if isinstance(atom, Compare) and isinstance(atom.left, Number):
+        atom = Compare(MIRRORED[atom.op], atom.right, atom.left)
+    element = _padding_element(atom)
+    if not _key_read(element, rows):
+        return None
+    if isinstance(atom, Compare):
+        return atom if isinstance(atom.right, Number) else None
+    return atom if example_tensor(element.source).dtype == torch.bool else None
+
+
+def _padding_element(term):
+    """The data element a (would-be) key-padding term reads."""
+    return term.term if isinstance(term, Not) else term.left if isinstance(term, Compare) else term
+
+
+def _padding_name(term) -> str:
+    """The tensor's name where the term reads a (B, S_k) bool tensor as it is, else the term."""
+    return term.source.name if isinstance(term, Gather) and len(term.index) == 2 else str(term)
 
 
 def classify(formula, batch_of_one: bool = False) -> Structure:
@@ -120,8 +148,8 @@ def classify(formula, batch_of_one: bool = False) -> Structure:
             left, right = _bounds(atom, left, right)
         elif isinstance(atom, Eq):
             left, right = _bounds(Le(-atom.value), *_bounds(Le(atom.value), left, right))
-        elif _is_key_padding(atom, rows):
-            padding.add(atom.source)
+        elif (term := key_padding_term(atom, rows)) is not None:
+            padding.add(term)
         elif isinstance(atom, Gather):
             raise Unsupported(f"the mask reads data, {atom}: only key padding [b, j] is structured")
         elif same_document(atom, rows) is not None:
@@ -134,18 +162,52 @@ def classify(formula, batch_of_one: bool = False) -> Structure:
         raise Unsupported(f"the mask hides the query's own position and {-right - 1} before it (j <= i - {-right})")
     if left is not None and left < 0:
         raise Unsupported(f"the mask hides the query's own position (j >= i + {-left})")
-    for kind, sources in (("key-padding", padding), ("document-id", documents)):
-        if len(sources) > 1:
-            raise Unsupported(f"two {kind} tensors: {', '.join(sorted(n.name for n in sources))}")
+    if len(padding) > 1:
+        raise Unsupported(f"two key-padding terms: {', '.join(sorted(map(str, padding)))}")
+    if len(documents) > 1:
+        raise Unsupported(f"two document-id tensors: {', '.join(sorted(n.name for n in documents))}")
     return Structure(left, right, next(iter(padding), None), next(iter(documents), None))
 
 
-def _check_key_padding(node: Node, q: Node, k: Node) -> None:
-    padding, q, k = (example_tensor(n) for n in (node, q, k))
-    if padding.dtype != torch.bool or not guarded_shape(padding, (q.shape[0], k.shape[2])):
-        raise Unsupported(f"key padding {node.name} is {padding.dtype} {hinted_shape(padding)}, not bool (B, S_k)")
+def _check_key_padding(term, q: Node, k: Node) -> None:
+    node = _padding_element(term).source
+    data, q, k = (example_tensor(n) for n in (node, q, k))
+    if not guarded_shape(data, (q.shape[0], *data.shape[1:-1], k.shape[2])):
+        raise Unsupported(f"key padding {node.name} is {hinted_shape(data)}, not (B, ..., S_k)")
     if is_mutated(node):
         raise Unsupported(f"key padding {node.name} is modified in place")
+
+
+_COMPARISONS = {"eq": torch.eq, "ne": torch.ne, "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge}
+_DERIVED = "attn_cp_key_padding"  # a node's meta: made from its input for key padding
+
+
+def _derived(source: Node, target, *args) -> Node:
+    """``target(source, *args)`` in source's graph, right after source: made once, so the sites of
+    every layer share it (and a distributed check of it runs once)."""
+    for user in source.users:
+        if user.meta.get(_DERIVED) and user.target is target and user.args == (source, *args):
+            return user
+    graph = source.graph
+    after = list(graph.find_nodes(op="placeholder"))[-1] if source.op == "placeholder" else source
+    with graph.inserting_after(after):
+        node = graph.call_function(target, (source, *args))
+    node.meta.update({"example_value": target(example_tensor(source), *args), _DERIVED: True})
+    return node
+
+
+def _key_padding_node(term) -> Node:
+    """The (B, S_k) bool tensor of a key-padding term: the data itself where the term reads a
+    (B, S_k) bool tensor as it is, else the term computed on the whole tensor."""
+    element = _padding_element(term)
+    node = element.source
+    if len(element.index) > 2:
+        node = _derived(node, operator.getitem, (slice(None), *(x.constant for x in element.index[1:-1]), slice(None)))
+    if isinstance(term, Compare):
+        node = _derived(node, _COMPARISONS[term.op], term.right.value)
+    if isinstance(term, Not):
+        node = _derived(node, torch.logical_not)
+    return node
 
 
 def _check_documents(node: Node, q: Node, k: Node) -> None:
@@ -196,5 +258,6 @@ def with_structure(call: AttentionCall, structure: Structure, note: str) -> Atte
     if call.is_causal:
         right = 0 if right is None else min(right, 0)
     window = (-1 if structure.left is None else structure.left, -1 if right in (None, 0) else right)
+    padding = None if structure.key_padding is None else _key_padding_node(structure.key_padding)
     return call.noted(note, attn_mask=None, is_causal=right == 0, window=window,
-                      key_padding_mask=structure.key_padding, document_ids=structure.documents)
+                      key_padding_mask=padding, document_ids=structure.documents)

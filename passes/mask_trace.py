@@ -4,10 +4,12 @@ Each node becomes a ``Sym``: its formula over its own axes, its traced shape and
 are index arithmetic (arange, +, -, * by a constant, // and % by a positive constant, comparisons),
 logic (&, |, ~), constants (zeros, ones, full, new_ones, torch.tensor(c), ...), ``where``/``masked_fill`` of
 constants, ``tril``/``triu``,
-dtype and device casts, and views (indexing with slices, None and index tensors, unsqueeze,
-view/reshape that only add or drop size-1 axes, expand). A tensor that no arange feeds (an input,
-a buffer, anything computed from data) becomes a ``Gather`` of its own elements, so that e.g.
-``attention_mask[batch_idx, kv_idx]`` reads as ``attention_mask[b, j]``. Any other operation on
+dtype and device casts (data cast to bool reads as ``data != 0``, so a cast reads the same before
+and after indexing, as a comparison with a constant does), and views (indexing with slices, None
+and index tensors, unsqueeze, view/reshape that only add or drop size-1 axes, expand). A tensor
+that no arange feeds (an input, a buffer, anything computed from data) becomes a ``Gather`` of its
+own elements, so that e.g. ``attention_mask[batch_idx, kv_idx]`` reads as ``attention_mask[b, j]``.
+Any other operation on
 index values raises Unsupported with the operation in its message. Sizes are read from the traced
 values, compared only with ``known_equal``, so reading a mask adds no guard.
 """
@@ -315,7 +317,7 @@ def _compare(tracer, node, out):
     if isinstance(b, Number) and (isinstance(a, Select) or _is_formula(a)):
         return _compare_two_valued(a, op, b.value)
     if isinstance(a, Number) and (isinstance(b, Select) or _is_formula(b)):
-        return _compare_two_valued(b, _MIRRORED[op], a.value)
+        return _compare_two_valued(b, MIRRORED[op], a.value)
     if isinstance(a, Select) or isinstance(b, Select):
         raise Unsupported(f"{node.name}: comparison of two where() values")
     return Compare(op, a, b)
@@ -326,7 +328,7 @@ def _compare_distance(tracer, node, op: str, out):
     comparisons of a and -a (``abs(q_idx - kv_idx) <= w``: a two-sided window); else None."""
     left, right = argument(node, 0, "input"), argument(node, 1, "other")
     if op_of(right) == "abs":
-        left, right, op = right, left, _MIRRORED[op]
+        left, right, op = right, left, MIRRORED[op]
     if op_of(left) != "abs" or is_mutated(left):
         return None
     a, c = tracer.operand(argument(left, 0, "input"), tuple(out.shape)), tracer.operand(right, tuple(out.shape))
@@ -349,7 +351,7 @@ def _check_compared_constants(tracer, node):
             exact(node, side, tensors[0])
 
 
-_MIRRORED = {"le": "ge", "lt": "gt", "ge": "le", "gt": "lt", "eq": "eq", "ne": "ne"}
+MIRRORED = {"le": "ge", "lt": "gt", "ge": "le", "gt": "lt", "eq": "eq", "ne": "ne"}
 
 
 def _compare_two_valued(value, op: str, constant):
@@ -410,6 +412,8 @@ def _cast(tracer, node, out):
         return source.expr
     if isinstance(source.expr, Number):
         return Number(exact(node, source.expr.value, out.dtype))
+    if isinstance(source.expr, Gather) and out.dtype == torch.bool:  # data read as bool is data != 0 (NaN is True)
+        return Compare("ne", source.expr, Number(0))
     if _is_formula(source.expr) and out.dtype.is_floating_point:
         return Select(source.expr, 1.0, 0.0)
     raise Unsupported(f"{node.name}: cast from {source.dtype} to {out.dtype}")

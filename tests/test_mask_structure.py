@@ -329,6 +329,74 @@ class TestLeftMasks(TestCase):
                 assert_matches_eager(attend(mask_fn), q, k, v, pad, m)
 
 
+# Key padding however it is written, on a (B, S) int64 attention mask p (1 = a real key): a cast or
+# a comparison with a constant reads the same after the indexing as before it.
+SPELLINGS = {
+    "bool() after indexing": (lambda q, p: p[:, None, None, :].bool(), "l_data_0_[b, j] != 0"),
+    "bool() before indexing": (lambda q, p: p.bool()[:, None, None, :], "l_data_0_[b, j] != 0"),
+    "to(torch.bool) after indexing": (lambda q, p: p[:, None, None, :].to(torch.bool), "l_data_0_[b, j] != 0"),
+    "to(torch.bool) before indexing": (lambda q, p: p.to(torch.bool)[:, None, None, :], "l_data_0_[b, j] != 0"),
+    "== 1 after indexing": (lambda q, p: p[:, None, None, :] == 1, "l_data_0_[b, j] == 1"),
+    "== 1 before indexing": (lambda q, p: (p == 1)[:, None, None, :], "l_data_0_[b, j] == 1"),
+    "1 == after indexing": (lambda q, p: 1 == p[:, None, None, :], "l_data_0_[b, j] == 1"),
+    "> 0 after indexing, with causal": (
+        lambda q, p: (p[:, None, None, :] > 0) & torch.ones(24, 24, dtype=torch.bool).tril(),
+        "causal + key_padding_mask=l_data_0_[b, j] > 0"),
+    "not == 0 after indexing": (lambda q, p: ~(p[:, None, None, :] == 0), "l_data_0_[b, j] != 0"),
+}
+
+
+def _long_padding(pad):
+    return pad.long()
+
+
+class TestKeyPaddingSpellings(TestCase):
+    def test_each_spelling_reads_as_key_padding(self):
+        for name, (mask_fn, structure) in SPELLINGS.items():
+            with self.subTest(name):
+                q, k, v, pad = _inputs()
+                graph, sites = rewrite(attend(mask_fn), q, k, v, _long_padding(pad))
+                note = structure if structure.startswith("causal") else f"key_padding_mask={structure}"
+                self.assertEqual(sites[0].notes, [f"mask -> {note}"])
+                self.assertRegex(graph, r"attn_cp\.attention\.default\(l_q_, l_k_, l_v_, None, (True|False), None, "
+                                        r"key_padding_mask=\w+\)")
+
+    def test_each_spelling_matches_eager(self):
+        for name, (mask_fn, _) in SPELLINGS.items():
+            with self.subTest(name):
+                q, k, v, pad = _inputs()
+                assert_matches_eager(attend(mask_fn), q, k, v, _long_padding(pad))
+
+    def test_a_cast_after_indexing_is_made_once_for_every_layer(self):
+        def two_layers(q, k, v, p):
+            x = F.scaled_dot_product_attention(q, k, v, attn_mask=p[:, None, None, :].bool(), enable_gqa=True)
+            return F.scaled_dot_product_attention(x, k, v, attn_mask=p[:, None, None, :].bool(), enable_gqa=True)
+
+        q, k, v, pad = _inputs()
+        graph, sites = rewrite(two_layers, q, k, v, _long_padding(pad))
+        self.assertExpectedInline(graph, """\
+l_k_ = input
+l_p_ = input
+l_q_ = input
+l_v_ = input
+ne = ne(l_p_, 0)
+attention_default = attn_cp.attention.default(l_q_, l_k_, l_v_, None, False, None, key_padding_mask=ne)
+getitem_2 = getitem(attention_default, 0)
+attention_default_1 = attn_cp.attention.default(getitem_2, l_k_, l_v_, None, False, None, key_padding_mask=ne)
+getitem_3 = getitem(attention_default_1, 0)
+return (getitem_3)""")
+        assert_matches_eager(two_layers, q, k, v, _long_padding(pad))
+
+    def test_a_padding_mask_of_unit_axes_is_key_padding(self):
+        """A (B, 1, 1, S) bool mask reads m[b, 0, 0, j]: key padding, not data that contradicts it."""
+        q, k, v, pad = _inputs()
+        for mask_fn, note in ((lambda q, m: m, "l_data_0_[b, 0, 0, j]"), (lambda q, m: ~m, "~l_data_0_[b, 0, 0, j]")):
+            graph, sites = rewrite(attend(mask_fn), q, k, v, pad[:, None, None, :])
+            self.assertEqual(sites[0].notes, [f"mask -> key_padding_mask={note}"])
+            self.assertIn("getitem(l_data_0_, (slice(None, None, None), 0, 0, slice(None, None, None)))", graph)
+            assert_matches_eager(attend(mask_fn), q, k, v, pad[:, None, None, :])
+
+
 class TestPaddingModifiedInPlace(TestCase):
     def test_the_mask_is_kept(self):
         def fn(q, k, v, pad):
