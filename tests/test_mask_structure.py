@@ -1,6 +1,7 @@
 """Masks built from index arithmetic become causal / window / key-padding / document-id arguments
 of the op; every other mask stays a tensor, with the reason in the site's notes (here: why neither
 a structure nor, with gradients on CPU, flex_attention fits; tests/test_flex_route.py has the rest)."""
+import functools
 from unittest import mock
 
 import torch
@@ -255,6 +256,19 @@ class TestPositionRuns(TestCase):
                                   f"document_ids=documents)", graph)
                     self.assertNotIn("l_data_0_", graph.split("attention_default")[1])
                     assert_matches_eager(fn, q, k, v, _packed_positions(batch))
+
+    def test_new_documents_in_the_positions_reuse_the_graph(self):
+        """Hugging Face's packing passes the documents as data: a new count or length of them is
+        the same graph."""
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend(functools.partial(backend.attn_cp, options={"inner": "aot_eager"}))
+        fn = attend(lambda q, positions: hf_packed_mask(positions))
+        compiled = torch.compile(fn, backend=counter, fullgraph=True)
+        q, k, v, _ = _inputs()
+        for lengths in ((5, 1, 10, 8), (24,), (12, 12), (1,) * 24, (3, 4, 5, 6, 6)):
+            positions = torch.cat([torch.arange(n) for n in lengths]).expand(2, -1)
+            self.assertLessEqual(rel_err(compiled(q, k, v, positions), fn(q, k, v, positions)), 1e-5)
+        self.assertEqual(counter.frame_count, 1)
 
     def test_positions_of_their_own_length_are_tied_to_the_sequence_by_a_guard(self):
         """Under dynamic shapes the positions, an input of their own, get a length apart from q's.

@@ -1,4 +1,5 @@
 """varlen_attention without a group: packed documents against a per-document float64 oracle."""
+import functools
 import itertools
 import re
 
@@ -9,6 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import attn_compile
 from attn_compile import varlen_attention
+from attn_compile.backend import attn_cp
 from oracle import naive_attention, rel_err
 
 HEADS = {"mha": (4, 4, 16, 16), "gqa": (8, 2, 16, 16), "mla": (4, 4, 24, 16), "gqa_mla": (8, 2, 24, 16)}
@@ -160,6 +162,32 @@ def test_compiled_matches_eager_and_new_document_lengths_do_not_recompile():
         for g, w in zip(torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(want, (q, k, v), dout)):
             assert torch.equal(g, w)
     assert counter.frame_count == 1
+
+
+# Packed batches of 32 tokens as a training loop draws them: the document count (cu_seqlens's
+# length) and max_seqlen change from step to step. Step 1 changes the count alone, step 2 max_seqlen
+# alone, then both, one document, and documents of one token.
+_PACKED_STEPS = ([8, 8, 8, 8], [4, 4, 8, 8, 8], [2, 30], [5, 5, 6, 7, 9], [32], [1] * 32, [3, 29], [10, 9, 13])
+
+
+@pytest.mark.parametrize("dynamic, graphs", [(None, [1, 2, 3, 3, 3, 3, 3, 3]), (True, [1] * 8)])
+def test_packed_batches_recompile_only_as_the_readme_says(dynamic, graphs):
+    """Dynamo compiles the first call for its inputs as they are: the first call that changes the
+    document count compiles again with it symbolic, the first that changes max_seqlen likewise, and
+    no later call does; with dynamic=True the first graph takes every batch."""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(functools.partial(attn_cp, options={"inner": "aot_eager"}))
+
+    def fn(q, k, v, cu_seqlens, max_seqlen):
+        return varlen_attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, is_causal=True)
+
+    compiled = torch.compile(fn, backend=counter, dynamic=dynamic, fullgraph=True)
+    counts = []
+    for lengths in _PACKED_STEPS:
+        q, k, v = (torch.randn(32, h, 8) for h in (4, 2, 2))
+        assert torch.equal(compiled(q, k, v, _cu(lengths), max(lengths)), fn(q, k, v, _cu(lengths), max(lengths)))
+        counts.append(counter.frame_count)
+    assert counts == graphs
 
 
 def _args(q_lengths=(3, 0, 7), k_lengths=(3, 0, 7), h_q=8, d_q=24, **overrides):
