@@ -12,6 +12,9 @@ fn = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_ca
                    backend="attn_cp", options={"inner": "eager"})
 out = fn(q, k, v)
 assert "attn_compile" in sys.modules
+from torch.distributed.tensor import DTensor  # loading the backend gave SDPA's CPU kernel its DTensor rules
+assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default in \
+    DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs
 ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 print(tuple(out.shape), float((out - ref).abs().max()))
 """

@@ -6,13 +6,14 @@ Covered here, on the CPU: non-causal DTensor SDPA on 1-D meshes (world 2 and 4) 
 ("dp", "cp") mesh: data-parallel Shard(0) or Replicate passing through context parallelism, the
 sequence sharded over both dims (hybrid), a q-only sequence split next to a data-parallel dim.
 Causal attention and windows run on plain sequence shards through options["mesh"], on a 1-D and
-a 2-D (hybrid) mesh. tests/test_gpu_placements.py covers causal DTensor SDPA on CUDA with NCCL.
+a 2-D (hybrid) mesh. With d_qk == d_v, SDPA's CPU kernel takes DTensors through the sharding rules
+of attn_compile/cpu_sdpa_sharding.py: causal DTensor SDPA, 1-D and 2-D meshes, heads split beside
+the sequence included. tests/test_gpu_placements.py covers causal DTensor SDPA on CUDA with NCCL.
 
-Not covered, because torch 2.13's DTensor fails on the CPU before any backend runs:
-- causal DTensor SDPA: with d_qk == d_v SDPA takes aten._scaled_dot_product_flash_attention_for_cpu
-  ("Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding
-  strategy registered"); otherwise the math fallback adds its causal mask, a plain tensor
-  ("aten.add.Tensor got mixed torch.Tensor and DTensor"), and dynamo's fake trace fails alike;
+Not covered, because torch 2.13's DTensor fails on the CPU before any backend runs, where d_qk !=
+d_v sends SDPA to its math path (the CPU kernel takes one head dim):
+- causal DTensor SDPA: the math path adds its causal mask, a plain tensor ("aten.add.Tensor got
+  mixed torch.Tensor and DTensor"), eagerly, and dynamo's fake trace fails alike;
 - on a 2-D mesh, heads split (Shard(1)) on either dim: SDPA's math decomposition flattens
   (batch, heads), DTensor describes that as _StridedShard, and while costing redistributions it
   calls _StridedShard.local_shard_size_and_offset (torch/distributed/tensor/placement_types.py),
@@ -59,8 +60,8 @@ def _inputs(seed, h_q=8, h_kv=2, d_qk=24, d_v=16):
     return q, k, v, torch.randn(2, h_q, SEQ, d_v)
 
 
-def _check_case(mesh, q_pl, kv_pl, is_causal, seed, heads=(8, 2), strategy="auto"):
-    q, k, v, dout = _inputs(seed, *heads)
+def _check_case(mesh, q_pl, kv_pl, is_causal, seed, heads=(8, 2), strategy="auto", dims=(24, 16)):
+    q, k, v, dout = _inputs(seed, *heads, *dims)
     dq, dk, dv = (distribute_tensor(x, mesh, pl).requires_grad_() for x, pl in ((q, q_pl), (k, kv_pl), (v, kv_pl)))
     torch._dynamo.reset()
     fn = torch.compile(sdpa, backend="attn_cp", fullgraph=True, options={"strategy": strategy})
@@ -95,6 +96,51 @@ def test_placements_world_2():
 
 def test_placements_world_4():
     run_distributed(_placement_cases, 4)
+
+
+def _cpu_kernel_cases(rank, world):
+    """With d_qk == d_v SDPA on the CPU takes aten._scaled_dot_product_flash_attention_for_cpu, for
+    which DTensor has sharding rules only from attn_compile.cpu_sdpa_sharding: without them dynamo's
+    trace of the sequence split did not finish, and causal attention failed. Compiled, causal or
+    not, it becomes context parallelism; called eagerly, DTensor redistributes to batch, heads or
+    replicated, as for SDPA's CUDA kernels."""
+    if world == 4:  # a 2x2 mesh: data parallel, heads or the sequence beside context parallelism (hybrid)
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+        for seed, outer in enumerate((Shard(0), Shard(1), Shard(2))):
+            _check_case(mesh, [outer, Shard(2)], [outer, Shard(2)], True, seed, heads=(4, 4), dims=(16, 16))
+        return
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    for seed, (is_causal, heads) in enumerate(((False, (4, 4)), (True, (4, 4)), (True, (8, 2)))):
+        _check_case(mesh, [Shard(2)], [Shard(2)], is_causal, seed, heads=heads, dims=(16, 16))
+    q, k, v, dout = _inputs(3, 8, 2, 16, 16)
+    for placements, results in (((Shard(2),), ((Replicate(),), (Shard(0),), (Shard(1),))),
+                                ((Shard(1),), ((Shard(1),),)), ((Shard(0),), ((Shard(0),),))):
+        dq, dk, dv = (distribute_tensor(x, mesh, placements).requires_grad_() for x in (q, k, v))
+        out = sdpa(dq, dk, dv, True)
+        assert out.placements in results, (placements, out.placements)
+        grads = torch.autograd.grad(out, (dq, dk, dv), distribute_tensor(dout, mesh, out.placements))
+        want_q, want_k, want_v = (x.detach().requires_grad_() for x in (q, k, v))
+        want = naive_attention(want_q, want_k, want_v, is_causal=True)
+        want_grads = torch.autograd.grad(want, (want_q, want_k, want_v), dout.double())
+        errors = [rel_err(g.full_tensor(), w) for g, w in zip((out, *grads), (want, *want_grads))]
+        assert max(errors) <= TOL, (placements, errors)
+    # A DTensor mask stays replicated (DTensor never redistributes a keyword argument): the batch
+    # split stays where the mask broadcasts over the batch, and not where it has one of its own.
+    dq, dk, dv = (distribute_tensor(x, mesh, [Shard(0)]) for x in (q, k, v))
+    for shape, results in (((SEQ, SEQ), ((Shard(0),),)), ((2, 1, SEQ, SEQ), ((Replicate(),), (Shard(1),)))):
+        mask = torch.rand(shape) > 0.3
+        mask[..., 0] = True
+        out = masked_sdpa(dq, dk, dv, distribute_tensor(mask, mesh, [Replicate()]))
+        assert out.placements in results, (shape, out.placements)
+        assert rel_err(out.full_tensor(), naive_attention(q, k, v, attn_mask=mask)) <= TOL
+    with pytest.raises(RuntimeError, match=r"attn_mask must be replicated for SDPA on DTensors on the CPU; got "
+                                           r"placements \(Shard\(dim=0\),\)"):  # DTensor's error wraps the rule's
+        masked_sdpa(dq, dk, dv, distribute_tensor(mask, mesh, [Shard(0)]))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dtensor_sdpa_on_the_cpu_kernel_traces_and_runs_eagerly(world):
+    run_distributed(_cpu_kernel_cases, world, timeout=90.0)
 
 
 def _two_dim_mesh_cases(rank, world):
@@ -269,7 +315,7 @@ ValueError: k and v must have the same placements; got q=(Shard(dim=2),), k=(Sha
 ValueError: q, k, v must be sharded the same way on each mesh dim, except that q alone may split the sequence or the heads against replicated k and v; got q=(Replicate(),), k=(Shard(dim=2),), v=(Shard(dim=2),) on mesh 'cp' (size 2). Redistribute q to (Shard(dim=2),) on mesh dim 0, or k and v to (Replicate(),).""")
         self.assertExpectedInline(report, """\
 attn_compile: 1 attention site(s), 1 rewritten, 0 left as is
-  [0] test_placements.py:53: q(2, 8, 16, 24) k(2, 2, 16, 24) v(2, 2, 16, 16) -> attn_cp.attention [reference]
+  [0] test_placements.py:54: q(2, 8, 16, 24) k(2, 2, 16, 24) v(2, 2, 16, 16) -> attn_cp.attention [reference]
 distributed by placements (cost-model estimates, fwd + bwd):
   attention_default: q=(Shard(dim=2),), k=(Shard(dim=2),), v=(Shard(dim=2),) -> context parallel over mesh dim(s) [0]: allgather
       ring: 335.8 us (compute 0.001667 us, transfer 0.0502 us, memory 0.01465 MiB)
