@@ -204,7 +204,9 @@ def test_dense_mapping(standin, masking):
     assert all(g.stride() == x.stride() for g, x in zip(grads, (q, k, v)))
 
 
-def _padding(lengths, s, left=False, holes=False):
+def key_padding(lengths, s, left=False, holes=False):
+    """(B, S) bool: each row's run of real tokens, at the end with ``left``, with one hole in the
+    middle of each run of more than 4 with ``holes``."""
     rows = []
     for n in lengths:
         real = torch.arange(s) >= s - n if left else torch.arange(s) < n
@@ -228,7 +230,7 @@ def test_key_padding_against_oracle(standin, name):
     torch.manual_seed(1)
     lengths, left, holes, causal = PADDED[name]
     q, k, v = (_projected(len(lengths), h, 24, d) for h, d in ((4, 16), (2, 16), (2, 8)))
-    mask = _padding(lengths, 24, left, holes)
+    mask = key_padding(lengths, 24, left, holes)
     _against_oracle(q, k, v, is_causal=causal, key_padding_mask=mask)
     forward_calls = [call for call in standin.calls if call["direction"] == "fwd"]
     assert len(forward_calls) == (2 if causal else 1)  # the runs, and the queries after them

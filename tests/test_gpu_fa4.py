@@ -10,6 +10,7 @@ from attn_compile.kernels import fa4, select_kernel
 from attn_compile.kernels.problem import Problem, capability
 from attn_compile.kernels.result_layout import empty_out
 from oracle import naive_attention, rel_err
+from test_fa4_adapter import key_padding
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or fa4.interface() is None or capability(torch.device("cuda"))[0] not in (9, 10),
@@ -95,16 +96,6 @@ def test_tile_fa4_cannot_express_is_refused():
     assert not fa4.supports(Problem.of(q, k, v, window=(-1, 8), q_offset=0, k_offset=20))
 
 
-def _padding(lengths, s, left=False, holes=False):
-    rows = []
-    for n in lengths:
-        real = torch.arange(s) >= s - n if left else torch.arange(s) < n
-        if holes and n > 8:
-            real[(s - n if left else 0) + n // 2] = False
-        rows.append(real)
-    return torch.stack(rows).cuda()
-
-
 PADDED = {  # name: (lengths, left, holes, causal)
     "right padding causal": ([256, 200, 77, 1], False, False, True),
     "left padding causal": ([256, 200, 77, 1], True, False, True),
@@ -119,7 +110,7 @@ def test_key_padding_against_float64(name):
     torch.manual_seed(1)
     lengths, left, holes, causal = PADDED[name]
     q, k, v = _qkv(len(lengths), 8, 2, 256, 256, 128, 128)
-    _check(q, k, v, name, is_causal=causal, key_padding_mask=_padding(lengths, 256, left, holes))
+    _check(q, k, v, name, is_causal=causal, key_padding_mask=key_padding(lengths, 256, left, holes).cuda())
 
 
 def test_varlen_against_float64():
@@ -170,7 +161,7 @@ def test_cuda_graph_capture():
     and replayed on new data: nothing in it syncs with the host."""
     torch.manual_seed(3)
     q, k, v = _qkv(2, 8, 2, 256, 256, 128, 128)
-    mask = _padding([256, 100], 256)
+    mask = key_padding([256, 100], 256).cuda()
     static = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     dout = torch.randn(2, 8, 256, 128, device="cuda", dtype=BF16)
 
