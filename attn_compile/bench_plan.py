@@ -37,6 +37,15 @@ MEASURED = {
     (4, "MLA 16h 192/128", 131072): dict(ring=353, allgather=339, ulysses=470, hybrid=384),
 }
 
+# The same runs' single-GPU op on the same per-GPU work and PyTorch's context_parallel (the better
+# rotate method), fwd+bwd TFLOP/s per GPU, by (GPUs, heads, global tokens).
+LOCAL_AND_PYTORCH = {
+    (2, "GQA 32/8 d128", 65536): (553, 516), (2, "GQA 32/8 d128", 131072): (548, 535),
+    (2, "MLA 16h 192/128", 65536): (507, 383), (2, "MLA 16h 192/128", 131072): (495, 384),
+    (4, "GQA 32/8 d128", 65536): (548, 487), (4, "GQA 32/8 d128", 131072): (546, 507),
+    (4, "MLA 16h 192/128", 65536): (499, 325), (4, "MLA 16h 192/128", 131072): (499, 348),
+}
+
 ASSUMPTIONS = (
     "one attention call's forward and backward (one layer of a training step), bf16; ranks fill node after node",
     "a ring or all-gather that crosses nodes moves at the slower link; an all-to-all sends its other nodes' "
@@ -121,6 +130,41 @@ def validation(hw: cost_model.Hardware = cost_model.Hardware()) -> tuple[list[st
     return lines, mean
 
 
+def efficiency() -> dict:
+    """{(heads, global tokens): {"attn_cp" | "PyTorch": [(GPUs, fwd+bwd per GPU over one GPU's)]}}: the
+    best measured strategy and PyTorch's context_parallel against the single-GPU op, one GPU at 1.0."""
+    curves = {}
+    for (gpus, name, seq), measured in MEASURED.items():
+        local, pytorch = LOCAL_AND_PYTORCH[gpus, name, seq]
+        shape = curves.setdefault((name, seq), {"attn_cp": [(1, 1.0)], "PyTorch": [(1, 1.0)]})
+        shape["attn_cp"].append((gpus, max(measured.values()) / local))
+        shape["PyTorch"].append((gpus, pytorch / local))
+    return curves
+
+
+def plot_efficiency(path: str) -> None:
+    """Draws ``efficiency()`` into a PNG (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axis = plt.subplots(figsize=(8, 5))
+    for n, ((name, seq), curves) in enumerate(efficiency().items()):
+        color = f"C{n}"
+        for peer, style in (("attn_cp", "-o"), ("PyTorch", ":x")):
+            gpus, values = zip(*curves[peer])
+            axis.plot(gpus, values, style, color=color, label=f"{name}, {seq // 1024}K: {peer}")
+    axis.axhline(0.95, color="grey", linewidth=0.8)
+    axis.set_xticks([1, 2, 4])
+    axis.set_xlabel("GPUs (H200, NVLink)")
+    axis.set_ylabel("fwd+bwd per GPU / one GPU")
+    axis.set_title("Context parallelism: the best strategy and PyTorch's context_parallel")
+    axis.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m attn_compile.bench plan")
     parser.add_argument("--gpus", type=int, nargs="+", default=[8, 16, 64], help="GPUs in all (default 8 16 64)")
@@ -143,6 +187,8 @@ def main(argv=None) -> int:
                         help="the share of a ring step's transfer hidden behind its compute (default %(default)s)")
     parser.add_argument("--validate", action="store_true",
                         help="print the model against the measured 2- and 4-GPU tables instead")
+    parser.add_argument("--plot-efficiency", metavar="FILE.png",
+                        help="with --validate, also draw the measured efficiency against GPU count (needs matplotlib)")
     args = parser.parse_args(argv)
     if not 0 <= args.ring_overlap <= 1:
         parser.error(f"--ring-overlap must be a share between 0 and 1; got {args.ring_overlap}")
@@ -151,6 +197,8 @@ def main(argv=None) -> int:
                              ring_overlap=args.ring_overlap)
     if args.validate:
         print("\n".join(validation(hw)[0]))
+        if args.plot_efficiency:
+            plot_efficiency(args.plot_efficiency)
         return 0
     for name, value in (("--gpus", min(args.gpus)), ("--batch", args.batch)):
         if value < 1:

@@ -60,3 +60,15 @@ def test_validation_prints_the_model_error_against_measured_tables(capsys):
     summary = re.fullmatch(r"  mean \|error\| (\d+\.\d)% over 28 points; the model's fastest is the measured "
                            r"fastest in \d of 8 shapes, and measured at (\d\.\d+) of it or more", out[-1])
     assert summary and float(summary[1]) < 5.0 and float(summary[2]) > 0.95, out[-1]
+
+
+def test_efficiency_against_gpu_count():
+    """The plot's points: the best measured strategy and PyTorch's context_parallel over the
+    single-GPU op, one GPU at 1.0 (4x H200, GQA 32/8 at 128K: 532 / 546 and 507 / 546)."""
+    from attn_compile import bench_plan
+
+    curves = bench_plan.efficiency()
+    assert set(curves) == {(name, seq) for _, name, seq in bench_plan.MEASURED}
+    gqa = curves["GQA 32/8 d128", 131072]
+    assert [gpus for gpus, _ in gqa["attn_cp"]] == [1, 2, 4]
+    assert abs(gqa["attn_cp"][2][1] - 532 / 546) < 1e-9 and abs(gqa["PyTorch"][2][1] - 507 / 546) < 1e-9
