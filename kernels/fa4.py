@@ -129,7 +129,6 @@ class _Runs:
         self.after = torch.cat([rows[:-1] + end.to(torch.int32), rows[-1:]])
         self.after_length = (s - end).to(torch.int32).clamp_min(0)
         self.s = s
-        self.mask = key_padding_mask
 
     def calls(self, is_causal):
         """(query segments, their lengths, causal) for each packed call; the keys are the runs."""
@@ -145,7 +144,7 @@ def _packed(x):
 
 
 def _unpacked(x, like):
-    """A packed (B * S, H, D) result back to (B, H, S, D), copied only where ``like`` wants other strides."""
+    """A packed (B * S, H, D) result as ``like``'s (B, H, S, D), a view."""
     return x.unflatten(0, (like.shape[0], like.shape[2])).transpose(1, 2)
 
 
