@@ -5,19 +5,19 @@ agree on it; forward and backward choose each for their own direction. Kernels a
 order of measured speed (BENCHMARKS.md, H100: FlashAttention-4 > cuDNN > Triton > flash >
 efficient, except the softcapped forward, where Triton's is faster than FA4's); the reference
 takes everything else. A backward may run on another kernel than its forward: all of them
-take the same natural-log LSE. Triton is the fused kernel for windows and position offsets (ring steps), which none of
-the aten kernels take, and it reads (B, S) document ids on the device; where it does not run,
-document ids are read on the host and run as packed documents. Packed documents (``varlen_*``)
-try Triton, then FA2's varlen kernel (which pads V for MLA inside its adapter), then one
-reference call per document. ``merge_into`` combines partial results: one fused Triton kernel on
-CUDA.
+take the same natural-log LSE. Windows and position offsets (ring steps), which none of the
+aten kernels take, run on FA4 or Triton; (B, S) document ids on Triton, which reads them on the
+device; where it does not run, document ids are read on the host and run as packed documents.
+Packed documents (``varlen_*``) try FA4, Triton, then FA2's varlen kernel (which pads V for MLA
+inside its adapter), then one reference call per document. ``merge_into`` combines partial
+results: one fused Triton kernel on CUDA.
 
 Mask arguments, shared by every function here: ``is_causal`` (key j visible to query i when
 j <= i), ``window=(left, right)`` (i-left <= j <= i+right, -1 unbounded), ``attn_mask`` (bool,
 True = visible, or additive), ``key_padding_mask`` ((B, S_k) bool, True = a real key), and the
 global positions ``q_offset + i`` / ``k_offset + j``. All that apply are ANDed. ``softcap`` > 0
-caps the scaled scores before the masks (``softcap * tanh(scores / softcap)``); only Triton and
-the reference take it.
+caps the scaled scores before the masks (``softcap * tanh(scores / softcap)``); only FA4, Triton
+and the reference take it.
 """
 import functools
 

@@ -124,17 +124,16 @@ class _Runs:
         end = torch.where(key_padding_mask, positions + 1, 0).amax(1)
         self.length = (end - start).clamp_min(0).to(torch.int32)
         self.holes = key_padding_mask.sum(1, dtype=torch.int32) != self.length
-        rows = torch.arange(batch + 1, device=key_padding_mask.device, dtype=torch.int32) * s
-        self.starts = torch.cat([rows[:-1] + start.clamp_max(s).to(torch.int32), rows[-1:]])
-        self.after = torch.cat([rows[:-1] + end.to(torch.int32), rows[-1:]])
+        self.rows = torch.arange(batch + 1, device=key_padding_mask.device, dtype=torch.int32) * s
+        self.starts = torch.cat([self.rows[:-1] + start.clamp_max(s).to(torch.int32), self.rows[-1:]])
+        self.after = torch.cat([self.rows[:-1] + end.to(torch.int32), self.rows[-1:]])
         self.after_length = (s - end).to(torch.int32).clamp_min(0)
         self.s = s
 
     def calls(self, is_causal):
         """(query segments, their lengths, causal) for each packed call; the keys are the runs."""
         if not is_causal:  # every query sees the whole run
-            rows = torch.arange(self.length.shape[0] + 1, device=self.length.device, dtype=torch.int32) * self.s
-            return [(rows, None, False)]
+            return [(self.rows, None, False)]
         return [(self.starts, self.length, True), (self.after, self.after_length, False)]
 
 
@@ -161,10 +160,11 @@ def _triton():
 def _padded_forward(q, k, v, scale, is_causal, key_padding_mask, softcap):
     runs = _Runs(key_padding_mask)
     b, h, s, _ = q.shape
+    inputs = [_packed(x) for x in (q, k, v)]
     out = q.new_zeros(b * s, h, v.shape[-1])  # rows no query segment covers see no key
     lse = torch.full((h, b * s), float("-inf"), dtype=torch.float32, device=q.device)
     for segments, lengths, causal in runs.calls(is_causal):
-        interface()._flash_attn_fwd(_packed(q), _packed(k), _packed(v), softmax_scale=scale, causal=causal,
+        interface()._flash_attn_fwd(*inputs, softmax_scale=scale, causal=causal,
                                     softcap=softcap, out=out, lse=lse, return_lse=True,
                                     **_packing(runs, segments, lengths))
     out, lse = as_out(_unpacked(out, q), q), lse.unflatten(1, (b, s)).transpose(0, 1).contiguous()

@@ -25,7 +25,6 @@ class Problem:
     d_qk: int
     d_v: int
     is_causal: bool
-    windowed: bool
     has_mask: bool  # an arbitrary attn_mask (bool or additive)
     has_key_padding: bool  # a (B, S_k) bool key_padding_mask
     has_documents: bool  # (B, S) document_ids
@@ -35,6 +34,10 @@ class Problem:
     k_shift: int = 0  # k_offset - q_offset: where the keys start relative to the queries
     backward: bool = False  # the call is the backward pass
 
+    @property
+    def windowed(self) -> bool:
+        return self.window != (-1, -1)
+
     @classmethod
     def of(cls, q, k, v, *, is_causal=False, window=(-1, -1), attn_mask=None, key_padding_mask=None, q_offset=0,
            k_offset=0, document_ids=None, softcap=0.0, aligned=True, backward=False):
@@ -43,7 +46,7 @@ class Problem:
         return cls(
             device_type=q.device.type, sm=capability(q.device), dtype=q.dtype,
             h_q=q.shape[1], h_kv=k.shape[1], s_q=q.shape[2], s_k=k.shape[2], d_qk=q.shape[-1], d_v=v.shape[-1],
-            is_causal=bool(is_causal), windowed=tuple(window) != (-1, -1), has_mask=attn_mask is not None,
+            is_causal=bool(is_causal), has_mask=attn_mask is not None,
             has_key_padding=key_padding_mask is not None, has_documents=document_ids is not None,
             offset=(bool(is_causal) or tuple(window) != (-1, -1)) and (q_offset != k_offset or not aligned),
             softcapped=bool(softcap), window=tuple(window), k_shift=k_offset - q_offset, backward=backward,
