@@ -21,6 +21,8 @@ import torch.distributed as dist
 from torch._inductor import custom_graph_pass
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from .passes.nodes import schema_arguments
+
 # the arguments of the attn_cp ops that name process groups (str or str[])
 GROUP_ARGUMENT = re.compile(r"(^|_)group_names?$")
 
@@ -56,9 +58,8 @@ def group_names(gm: torch.fx.GraphModule) -> set[str]:
             op = _attn_cp_overload(node.target) if node.op == "call_function" else None
             if op is None:
                 continue
-            for i, argument in enumerate(op._schema.arguments):
-                if GROUP_ARGUMENT.search(argument.name):
-                    value = node.kwargs.get(argument.name, node.args[i] if i < len(node.args) else None)
+            for name, value in schema_arguments(node, op._schema).items():
+                if GROUP_ARGUMENT.search(name):
                     names.update([value] if isinstance(value, str) else value or ())
     return names
 

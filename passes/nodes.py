@@ -71,6 +71,16 @@ def argument(node: Node, position: int, name: str, default=None):
     return node.args[position] if len(node.args) > position else default
 
 
+def schema_arguments(node: Node, schema) -> dict:
+    """Every argument of a call to an op of ``schema`` by name: given by keyword, by position, or
+    left at its default."""
+    names = [argument.name for argument in schema.arguments]
+    bound = {argument.name: argument.default_value for argument in schema.arguments if argument.has_default_value()}
+    bound.update(zip(names, node.args))
+    bound.update(node.kwargs)
+    return bound
+
+
 def _is_first_column(node, of: Node) -> bool:
     """``of[:, :1]``."""
     full, first = slice(None, None, None), slice(None, 1, None)

@@ -32,7 +32,7 @@ from .. import varlen
 from ..kernels import select_varlen_kernel
 from ..kernels.reference import lse_dtype
 from .call import Left
-from .nodes import erase_unused
+from .nodes import erase_unused, schema_arguments
 from .shapes import example_tensor, hinted_int, hinted_meta
 from .site import Site, location_of
 
@@ -72,14 +72,6 @@ class VarlenCall:
     def tensors(self) -> dict:
         named = {"q": self.q, "k": self.k, "v": self.v, "cu_seqlens": self.cu_seqlens_q, "seqused_k": self.seqused_k}
         return {name: node for name, node in named.items() if node is not None}
-
-
-def _bound(node: Node) -> dict:
-    schema = VARLEN_ATTN.default._schema
-    a = {arg.name: arg.default_value for arg in schema.arguments if arg.has_default_value()}
-    a.update(zip((arg.name for arg in schema.arguments), node.args))
-    a.update(node.kwargs)
-    return a
 
 
 def _outputs(node: Node) -> Optional[dict]:
@@ -165,7 +157,7 @@ def _why_not(a: dict, outputs) -> Optional[str]:
 def find(node: Node) -> Union[VarlenCall, Left, None]:
     if VARLEN_ATTN is None or node.op != "call_function" or node.target not in (VARLEN_ATTN, VARLEN_ATTN.default):
         return None
-    a = _bound(node)
+    a = schema_arguments(node, VARLEN_ATTN.default._schema)
     outputs = _outputs(node)
     reason = _why_not(a, outputs)
     if reason is not None:
