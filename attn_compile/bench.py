@@ -23,8 +23,8 @@ SUITES = {
                 "per-GPU TFLOP/s of each context-parallel strategy beside the single-GPU op and PyTorch's "
                 "context_parallel (needs CUDA devices; run under torchrun)"),
     "models": Suite("attn_compile.bench_models",
-                    "Hugging Face-shaped stacks compiled with backend=\"attn_cp\" against backend=\"inductor\" "
-                    "(--tiny: small shapes on the CPU)"),
+                    "Hugging Face-shaped stacks (and torchtitan's Llama 3) compiled with backend=\"attn_cp\" "
+                    "against backend=\"inductor\" (--tiny: small shapes on the CPU)"),
     "plan": Suite("attn_compile.bench_plan",
                   "the cost model's estimates and choice of strategy for clusters, on a CPU (--validate: against "
                   "the measured context-parallel tables)"),

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 
-PACKAGES = ("torchtitan==0.3.0", "spmd_types==0.2.3", "tyro==1.0.17", "docstring_parser==0.18.0")
+from attn_compile.bench_models import TITAN_PACKAGES as PACKAGES
 
 
 def _cache_root() -> str:
