@@ -142,29 +142,31 @@ def select_varlen_kernel(q, k, v, seqused_k=None, **masking) -> str:
     return kernel.name if kernel else REFERENCE
 
 
-def _varlen_entry(q, k, v, cu_seqlens_q, cu_seqlens_k, masking, seqused_k, which: str):
+def _varlen_entry(q, k, v, cu_seqlens_q, cu_seqlens_k, masking, seqused_k, aligned, which: str):
     """The kernel's forward or backward for these packed documents, with ``seqused_k`` bound where
     given (only the reference takes it)."""
     if seqused_k is not None:
         return functools.partial(getattr(reference, which), seqused_k=seqused_k)
-    kernel = _varlen_kernel(q, k, v, masking, aligned=cu_seqlens_q is cu_seqlens_k,
+    kernel = _varlen_kernel(q, k, v, masking, aligned=cu_seqlens_q is cu_seqlens_k if aligned is None else aligned,
                             backward=which == "varlen_backward")
     return getattr(kernel, which.removeprefix("varlen_")) if kernel else getattr(reference, which)
 
 
 def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale, seqused_k=None,
-                   **masking):
+                   aligned=None, **masking):
     """(out (total_q, h_q, d_v), lse (total_q, h_q)) of packed documents; masking: is_causal, window and
     softcap. ``seqused_k`` (each document's keys are its first seqused_k[i] rows) runs on the reference.
     Distinct cu_seqlens_q and cu_seqlens_k tensors count as documents whose query and key lengths
-    differ (FA2 aligns their masks bottom-right, the others top-left)."""
-    forward = _varlen_entry(q, k, v, cu_seqlens_q, cu_seqlens_k, masking, seqused_k, "varlen_forward")
+    differ (FA2 and FA4 align their masks bottom-right, the others top-left), unless ``aligned``
+    says the lengths agree wherever a document has both queries and keys (the rows lie elsewhere
+    in q and k)."""
+    forward = _varlen_entry(q, k, v, cu_seqlens_q, cu_seqlens_k, masking, seqused_k, aligned, "varlen_forward")
     return forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=scale, **masking)
 
 
 def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale,
-                    seqused_k=None, **masking):
-    backward = _varlen_entry(q, k, v, cu_seqlens_q, cu_seqlens_k, masking, seqused_k, "varlen_backward")
+                    seqused_k=None, aligned=None, **masking):
+    backward = _varlen_entry(q, k, v, cu_seqlens_q, cu_seqlens_k, masking, seqused_k, aligned, "varlen_backward")
     return backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=scale,
                     **masking)
 

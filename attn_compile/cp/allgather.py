@@ -18,22 +18,22 @@ from .comm import all_gather_stacked, reduce_scatter_stacked, resolve, sized_gro
 from .failures import failing_together
 from .merge import MergedResult
 from .registration import fake_grads, fake_result
-from .tiles import attend_tiles, attend_tiles_backward, plan_tiles
+from .tiles import attend_tiles, attend_tiles_backward, plan_calls
 
 
 def _gather_sequence(x, group, sharding):
     return sharding.join(all_gather_stacked(sharding.pad(x, 2), (group,)), dim=2)
 
 
-def _tiles(group, sharding, is_causal, window):
-    return plan_tiles(sharding.chunks(group.rank()), sharding.whole_chunks(), is_causal, window)
+def _calls(group, sharding, is_causal, window):
+    return plan_calls(sharding.chunks(group.rank()), sharding.whole_chunks(), is_causal, window)
 
 
 def allgather_forward(q, k, v, group, scale, is_causal, window, sharding):
     k_all, v_all = _gather_sequence(k, group, sharding), _gather_sequence(v, group, sharding)
-    tiles = _tiles(group, sharding, is_causal, window)
-    result = MergedResult(q, v, [tile.q_rows for tile in tiles])
-    attend_tiles(q, k_all, v_all, tiles, scale, result)
+    calls = _calls(group, sharding, is_causal, window)
+    result = MergedResult(q, v, [call.q_rows for call in calls])
+    attend_tiles(q, k_all, v_all, calls, scale, result)
     return result.out, result.lse, k_all, v_all
 
 
@@ -42,7 +42,7 @@ def allgather_backward(dout, q, k, v, out, lse, k_all, v_all, group, scale, is_c
         k_all, v_all = _gather_sequence(k, group, sharding), _gather_sequence(v, group, sharding)
     dq = q.new_zeros(q.shape, dtype=lse.dtype)
     dk_all, dv_all = k_all.new_zeros(k_all.shape, dtype=lse.dtype), v_all.new_zeros(v_all.shape, dtype=lse.dtype)
-    attend_tiles_backward(dout, q, k_all, v_all, out, lse, _tiles(group, sharding, is_causal, window), scale, dq,
+    attend_tiles_backward(dout, q, k_all, v_all, out, lse, _calls(group, sharding, is_causal, window), scale, dq,
                           dk_all, dv_all)
     dk, dv = (reduce_scatter_stacked(sharding.split(g, dim=2), group)[:, :, :k.shape[2]]
               .to(k.dtype).contiguous() for g in (dk_all, dv_all))

@@ -62,10 +62,23 @@ class ChunkSharding:
         slots = [(rank, row) for rank in range(self.cp) for row in range(self.local_len(rank), self.shard_len)]
         return tuple(torch.tensor([slot[i] for slot in slots], dtype=torch.long) for i in range(2))
 
-    @staticmethod
-    def _at(stacked: torch.Tensor, dim: int, slots) -> tuple:
-        """The index into ``stacked.movedim(0, dim)`` (rank next to row) of the given (rank, row) slots."""
-        return (slice(None),) * dim + tuple(index.to(stacked.device) for index in slots)
+    @functools.cached_property
+    def _on_device(self) -> dict:
+        return {}
+
+    def _to(self, name: str, device) -> tuple:
+        """The tensors of the cached property ``name`` (a tensor, or a sequence of them) on
+        ``device``, copied there once: a host-to-device copy of every row's index on every call
+        costs more than the gather it serves."""
+        if (name, device) not in self._on_device:
+            value = getattr(self, name)
+            self._on_device[name, device] = tuple(x.to(device) for x in ((value,) if torch.is_tensor(value) else value))
+        return self._on_device[name, device]
+
+    def _at(self, stacked: torch.Tensor, dim: int, slots: str) -> tuple:
+        """The index into ``stacked.movedim(0, dim)`` (rank next to row) of the (rank, row) slots
+        named ``slots``."""
+        return (slice(None),) * dim + self._to(slots, stacked.device)
 
     def pad(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         missing = self.shard_len - x.shape[dim]
@@ -74,19 +87,19 @@ class ChunkSharding:
         return torch.cat([x, x.new_zeros((*x.shape[:dim], missing, *x.shape[dim + 1:]))], dim)
 
     def take(self, x: torch.Tensor, rank: int, dim: int) -> torch.Tensor:
-        return x.index_select(dim, self._indices[rank].to(x.device))
+        return x.index_select(dim, self._to("_indices", x.device)[rank])
 
     def split(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's shard padded with zeros to ``shard_len``, stacked in rank order, written in one pass."""
         shards = x.new_empty((self.cp, *x.shape[:dim], self.shard_len, *x.shape[dim + 1:]))
         by_rank = shards.movedim(0, dim)
-        by_rank[self._at(shards, dim, self._slots)] = x
-        by_rank[self._at(shards, dim, self._padding_slots)] = 0
+        by_rank[self._at(shards, dim, "_slots")] = x
+        by_rank[self._at(shards, dim, "_padding_slots")] = 0
         return shards
 
     def join(self, shards: torch.Tensor, dim: int) -> torch.Tensor:
         """The whole buffer from the stacked padded shards (``split`` undone), gathered in one pass."""
-        return shards.movedim(0, dim)[self._at(shards, dim, self._slots)]
+        return shards.movedim(0, dim)[self._at(shards, dim, "_slots")]
 
 
 @dataclass(frozen=True)
@@ -115,6 +128,14 @@ class DocumentSharding(ChunkSharding):
                         ranges.append((start + lo, start + hi))
                         rows[rank] += hi - lo
         return tuple((tuple(chunks), tuple(ranges)) for chunks, ranges in ranks)
+
+    @functools.cached_property
+    def _cu_seqlens(self) -> torch.Tensor:
+        return torch.tensor(self.cu_seqlens, dtype=torch.int32)
+
+    def cu_seqlens_on(self, device) -> torch.Tensor:
+        """``cu_seqlens`` as an int32 tensor on ``device``, copied there once."""
+        return self._to("_cu_seqlens", device)[0]
 
     @functools.cached_property
     def max_seqlen(self) -> int:

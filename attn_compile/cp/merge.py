@@ -1,4 +1,6 @@
 """Merging partial attention results over disjoint key sets, by their log-sum-exp."""
+import itertools
+
 import torch
 
 from attn_compile.kernels.dispatch import merge_into
@@ -36,17 +38,24 @@ class MergedResult:
         return self._running[:, :, rows]
 
     def add(self, rows: slice, part_out: torch.Tensor, part_lse: torch.Tensor) -> None:
-        """Merges in a part: the attention of query rows ``rows`` to keys no earlier part held."""
-        for i, segment in enumerate(self._segments):
-            if not (rows.start <= segment.start and segment.stop <= rows.stop):
-                continue
+        """Merges in a part: the attention of query rows ``rows`` to keys no earlier part held.
+        Neighbouring segments that this part finds in the same state (first part or not, last or
+        not) are one run, written by one copy or merge: a packed call's part spans many segments."""
+        covered = [i for i, s in enumerate(self._segments) if rows.start <= s.start and s.stop <= rows.stop]
+
+        def state(i):  # (first part, last part)
+            return self._seen[i] == 0, self._seen[i] + 1 == self._parts[i]
+
+        for (first, last), run in itertools.groupby(covered, key=state):
+            run = list(run)
+            segment = slice(self._segments[run[0]].start, self._segments[run[-1]].stop)
             piece = slice(segment.start - rows.start, segment.stop - rows.start)
             out, lse = part_out[:, :, piece], part_lse[:, :, piece]
-            last = self._seen[i] + 1 == self._parts[i]
-            if self._seen[i] == 0:
+            if first:
                 (self.out[:, :, segment] if last else self._running_rows(segment)).copy_(out)
                 self.lse[:, :, segment].copy_(lse)
             else:
                 merge_into(self._running_rows(segment), self.lse[:, :, segment], out, lse,
                            into=self.out[:, :, segment] if last else None)
-            self._seen[i] += 1
+            for i in run:
+                self._seen[i] += 1

@@ -19,13 +19,13 @@ from .comm import pass_round, resolve
 from .failures import failing_together, wait
 from .merge import MergedResult
 from .registration import register_strategy
-from .tiles import attend_tiles, attend_tiles_backward, plan_tiles
+from .tiles import attend_tiles, attend_tiles_backward, plan_calls
 
 KV_TAG, GRAD_TAG = 0, 1
 
 
-def _tiles(sharding, q_rank, kv_rank, is_causal, window):
-    return plan_tiles(sharding.chunks(q_rank), sharding.chunks(kv_rank), is_causal, window)
+def _calls(sharding, q_rank, kv_rank, is_causal, window):
+    return plan_calls(sharding.chunks(q_rank), sharding.chunks(kv_rank), is_causal, window)
 
 
 @functools.lru_cache(maxsize=256)
@@ -33,7 +33,7 @@ def ring_steps(sharding, is_causal: bool, window: tuple) -> int:
     """1 + the last step at which some rank's queries see the keys that have come to it."""
     cp = sharding.cp
     needed = [step for step in range(cp) for rank in range(cp)
-              if _tiles(sharding, rank, (rank - step) % cp, is_causal, window)]
+              if _calls(sharding, rank, (rank - step) % cp, is_causal, window)]
     return 1 + max(needed, default=0)
 
 
@@ -41,12 +41,12 @@ def ring_forward(q, k, v, group, scale, is_causal, window, sharding):
     rank, size = group.rank(), group.size()
     steps = ring_steps(sharding, is_causal, window)
     k, v = sharding.pad(k, 2), sharding.pad(v, 2)
-    tiles = [_tiles(sharding, rank, (rank - step) % size, is_causal, window) for step in range(steps)]
-    result = MergedResult(q, v, [tile.q_rows for step_tiles in tiles for tile in step_tiles])
+    calls = [_calls(sharding, rank, (rank - step) % size, is_causal, window) for step in range(steps)]
+    result = MergedResult(q, v, [call.q_rows for step_calls in calls for call in step_calls])
     for step in range(steps):
         if step + 1 < steps:
             next_kv, kv_works = pass_round((k, v), group, KV_TAG)
-        attend_tiles(q, k, v, tiles[step], scale, result)
+        attend_tiles(q, k, v, calls[step], scale, result)
         if step + 1 < steps:
             wait(kv_works, group)
             k, v = next_kv
@@ -62,8 +62,8 @@ def ring_backward(dout, q, k, v, out, lse, group, scale, is_causal, window, shar
         if step + 1 < steps:
             next_kv, kv_works = pass_round((k, v), group, KV_TAG)
         dk, dv = k.new_zeros(k.shape, dtype=lse.dtype), v.new_zeros(v.shape, dtype=lse.dtype)
-        tiles = _tiles(sharding, rank, (rank - step) % size, is_causal, window)
-        attend_tiles_backward(dout, q, k, v, out, lse, tiles, scale, dq, dk, dv)
+        calls = _calls(sharding, rank, (rank - step) % size, is_causal, window)
+        attend_tiles_backward(dout, q, k, v, out, lse, calls, scale, dq, dk, dv)
         if step > 0:  # add what the ranks before this one found for the same keys
             wait(grad_works, group)
             dk += next_grads[0]

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from attn_compile.kernels import attention_backward, attention_forward
 from attn_compile.kernels.visibility import Visibility, classify, effective_window
 
+from .packed_tiles import packed_calls
+
 NO_WINDOW = (-1, -1)
 
 
@@ -25,6 +27,15 @@ class Tile:
     q_rows: slice
     k_rows: slice
     masking: dict  # the kernels' mask arguments; empty when every query sees every key
+
+    def forward(self, q, k, v, scale):
+        return attention_forward(q[:, :, self.q_rows], k[:, :, self.k_rows], v[:, :, self.k_rows], scale=scale,
+                                 **self.masking)
+
+    def backward(self, dout, q, k, v, out, lse, scale):
+        q_rows, k_rows = self.q_rows, self.k_rows
+        return attention_backward(dout[:, :, q_rows], q[:, :, q_rows], k[:, :, k_rows], v[:, :, k_rows],
+                                  out[:, :, q_rows], lse[:, :, q_rows], scale=scale, **self.masking)
 
 
 def _rows(chunks) -> slice:
@@ -56,6 +67,13 @@ def _causal_over_rows(q_chunks, k_chunks, is_causal, window) -> bool:
     )
 
 
+def _diagonal_or(visibility, q, k, is_causal) -> Visibility:
+    """A chunk against itself under a causal mask is a masked square even where it is one token,
+    which sees itself fully: the diagonals of many documents then pack as one causal call
+    (``packed_tiles``), and the token's full tile would overlap its neighbour chunk's."""
+    return Visibility.PARTIAL if is_causal and q == k and visibility is Visibility.FULL else visibility
+
+
 def _cropped(q, k, is_causal, window) -> Tile:
     """The masked tile of query chunk q against key chunk k, cut to the rows that see a key and the
     keys a row sees: less work, and a band whose corners reach the tile's edges, which kernels that
@@ -85,7 +103,8 @@ def plan_tiles(q_chunks: tuple, k_chunks: tuple, is_causal: bool, window: tuple 
     tiles, full_keys = [], []
     for q in q_chunks:
         keys = by_document.get(q.document, [])
-        visibility = {k: classify(q.position, q.length, k.position, k.length, left, right) for k in keys}
+        visibility = {k: _diagonal_or(classify(q.position, q.length, k.position, k.length, left, right), q, k,
+                                      is_causal) for k in keys}
         tiles += [_cropped(q, k, is_causal, window) for k in keys if visibility[k] is Visibility.PARTIAL]
         runs = _adjacent_runs(keys, lambda k: visibility[k] is Visibility.FULL)
         full_keys.append((q, tuple(_rows(run) for run in runs)))
@@ -96,19 +115,41 @@ def plan_tiles(q_chunks: tuple, k_chunks: tuple, is_causal: bool, window: tuple 
     return tuple(tiles)
 
 
-def attend_tiles(q, k, v, tiles, scale: float, result) -> None:
-    """Adds the attention of q to (k, v) over ``tiles`` into ``result`` (a ``merge.MergedResult``)."""
-    for tile in tiles:
-        q_rows, k_rows = tile.q_rows, tile.k_rows
-        result.add(q_rows, *attention_forward(q[:, :, q_rows], k[:, :, k_rows], v[:, :, k_rows], scale=scale,
-                                              **tile.masking))
+def _split_at_queries(tile) -> tuple[Tile, ...]:
+    """A causal tile whose keys start before its queries and end with them (a chunk against its
+    document's start, in the all-gather) as the keys before the queries, which every query sees,
+    and the square on the queries' own positions: two tiles of the kinds that pack."""
+    mask = tile.masking
+    before = mask["q_offset"] - mask["k_offset"] if mask else 0
+    q_len, k_len = tile.q_rows.stop - tile.q_rows.start, tile.k_rows.stop - tile.k_rows.start
+    if not (mask and mask["is_causal"] and tuple(mask["window"]) == NO_WINDOW and before > 0
+            and k_len - before == q_len):
+        return (tile,)
+    split = tile.k_rows.start + before
+    return (Tile(tile.q_rows, slice(tile.k_rows.start, split), {}),
+            Tile(tile.q_rows, slice(split, tile.k_rows.stop), {**mask, "k_offset": mask["q_offset"]}))
 
 
-def attend_tiles_backward(dout, q, k, v, out, lse, tiles, scale: float, dq, dk, dv) -> None:
+@functools.lru_cache(maxsize=1024)
+def plan_calls(q_chunks: tuple, k_chunks: tuple, is_causal: bool, window: tuple = NO_WINDOW) -> tuple:
+    """The kernel calls that run ``plan_tiles``' tiles: ``Tile``s, and where the queries hold several
+    documents, ``packed_tiles.PackedTiles`` for the tiles of one kind across them. A dense
+    sequence (one document) keeps one call per tile."""
+    tiles = plan_tiles(q_chunks, k_chunks, is_causal, window)
+    if len({chunk.document for chunk in q_chunks}) < 2:
+        return tiles
+    return packed_calls([part for tile in tiles for part in _split_at_queries(tile)], is_causal, window)
+
+
+def attend_tiles(q, k, v, calls, scale: float, result) -> None:
+    """Adds the attention of q to (k, v) over ``plan_calls``' calls into ``result`` (a ``merge.MergedResult``)."""
+    for call in calls:
+        result.add(call.q_rows, *call.forward(q, k, v, scale))
+
+
+def attend_tiles_backward(dout, q, k, v, out, lse, calls, scale: float, dq, dk, dv) -> None:
     """Adds (k, v)'s share of the gradients into dq, dk, dv, in place; out and lse are final."""
-    for tile in tiles:
-        q_rows, k_rows = tile.q_rows, tile.k_rows
-        grads = attention_backward(dout[:, :, q_rows], q[:, :, q_rows], k[:, :, k_rows], v[:, :, k_rows],
-                                   out[:, :, q_rows], lse[:, :, q_rows], scale=scale, **tile.masking)
-        for acc, rows, grad in zip((dq, dk, dv), (q_rows, k_rows, k_rows), grads):
+    for call in calls:
+        grads = call.backward(dout, q, k, v, out, lse, scale)
+        for acc, rows, grad in zip((dq, dk, dv), (call.q_rows, call.k_rows, call.k_rows), grads):
             acc[:, :, rows] += grad

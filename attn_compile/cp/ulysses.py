@@ -108,17 +108,16 @@ def whole_sequence_attention(sharding, scale, is_causal, window):
     if not isinstance(sharding, DocumentSharding):
         return (lambda *qkv: attention_forward(*qkv, **masking),
                 lambda *args: attention_backward(*args, **masking))
-    documents = (torch.tensor(sharding.cu_seqlens, dtype=torch.int32), sharding.max_seqlen)
+    longest = sharding.max_seqlen
 
     def forward(q, k, v):
-        cu = documents[0].to(q.device)
-        out, lse = varlen_forward(*map(packed, (q, k, v)), cu, cu, documents[1], documents[1], **masking)
+        cu = sharding.cu_seqlens_on(q.device)
+        out, lse = varlen_forward(*map(packed, (q, k, v)), cu, cu, longest, longest, **masking)
         return unpacked(out, 1), unpacked(lse, 1)
 
     def backward(dout, q, k, v, out, lse):
-        cu = documents[0].to(q.device)
-        grads = varlen_backward(*map(packed, (dout, q, k, v, out, lse)), cu, cu, documents[1], documents[1],
-                                **masking)
+        cu = sharding.cu_seqlens_on(q.device)
+        grads = varlen_backward(*map(packed, (dout, q, k, v, out, lse)), cu, cu, longest, longest, **masking)
         return tuple(unpacked(g, 1) for g in grads)
 
     return forward, backward

@@ -1,0 +1,161 @@
+"""Tiles of many documents run as one packed (varlen) kernel call per kind of mask.
+
+A step of packed documents has a few tiles per document; one kernel call each costs far more host
+time than the tile's work where documents are short (FA4's CuTe DSL dispatch: 100 us or more a
+call). Tiles that every query sees fully make one non-causal varlen call, and tiles on the
+diagonal (queries and keys at the same positions, as many of each) one call under the plan's mask:
+each tile is a segment, and its positions start at 0 in both buffers, so the mask means the same
+there. Partly visible tiles off the diagonal have a band that differs per tile and stay single
+calls.
+
+A varlen call's segments partition a contiguous run of rows in each buffer, in order, so tiles go
+into chains whose query rows and key rows both increase (``_chains``), and the rows between two
+tiles become filler segments: the query rows with no key, the key rows with no query. Filler query
+rows come out as a query that sees no key (out 0, LSE -inf) whatever the kernel wrote there, and
+filler rows' gradients as 0, so merging and adding the call's whole span is exact. The calls take
+the ``(1, H, S, D)`` shards as packed ``(S, H, D)`` views: packed documents are one batch entry.
+"""
+import functools
+from dataclasses import dataclass, field
+
+import torch
+
+from attn_compile.kernels import varlen_backward, varlen_forward
+from attn_compile.kernels.documents import packed, unpacked
+
+
+@dataclass(frozen=True)
+class _Segments:
+    """A packed call's arguments on one device."""
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    q_fillers: torch.Tensor  # (query span,) bool: rows that belong to no tile; None where there are none
+    k_fillers: torch.Tensor
+
+
+@dataclass(frozen=True)
+class PackedTiles:
+    """Tiles (``tiles.Tile``) run as one varlen call with ``masking`` (is_causal, window, or none),
+    their query rows and key rows each disjoint and increasing."""
+    tiles: tuple
+    masking: dict
+    _on_device: dict = field(default_factory=dict, compare=False, repr=False)  # device -> _Segments
+
+    @property
+    def q_rows(self) -> slice:
+        return slice(self.tiles[0].q_rows.start, self.tiles[-1].q_rows.stop)
+
+    @property
+    def k_rows(self) -> slice:
+        return slice(self.tiles[0].k_rows.start, self.tiles[-1].k_rows.stop)
+
+    @functools.cached_property
+    def _host_segments(self) -> tuple[list, list, list, list]:
+        """(query lengths, key lengths) of the segments, fillers included, and the filler rows of
+        each buffer, relative to the spans."""
+        q_lengths, k_lengths, q_fillers, k_fillers = [], [], [], []
+        q_row, k_row = self.q_rows.start, self.k_rows.start
+        for tile in self.tiles:
+            if tile.q_rows.start > q_row:
+                q_fillers += range(q_row - self.q_rows.start, tile.q_rows.start - self.q_rows.start)
+                q_lengths.append(tile.q_rows.start - q_row)
+                k_lengths.append(0)
+            if tile.k_rows.start > k_row:
+                k_fillers += range(k_row - self.k_rows.start, tile.k_rows.start - self.k_rows.start)
+                q_lengths.append(0)
+                k_lengths.append(tile.k_rows.start - k_row)
+            q_lengths.append(tile.q_rows.stop - tile.q_rows.start)
+            k_lengths.append(tile.k_rows.stop - tile.k_rows.start)
+            q_row, k_row = tile.q_rows.stop, tile.k_rows.stop
+        return q_lengths, k_lengths, q_fillers, k_fillers
+
+    def _segments(self, device) -> _Segments:
+        """Built once per device: a host-to-device copy on every call would cost more than it carries."""
+        if device not in self._on_device:
+            q_lengths, k_lengths, q_fillers, k_fillers = self._host_segments
+            cu = [torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+                  for lengths in (q_lengths, k_lengths)]
+            fillers = [_rows_mask(rows, span, device) for rows, span in ((q_fillers, self.q_rows),
+                                                                           (k_fillers, self.k_rows))]
+            self._on_device[device] = _Segments(*cu, *fillers)
+        return self._on_device[device]
+
+    @functools.cached_property
+    def _longest(self) -> tuple[int, int]:
+        return max(self._host_segments[0]), max(self._host_segments[1])
+
+    def _call_args(self, device) -> tuple:
+        segments = self._segments(device)
+        return segments.cu_seqlens_q, segments.cu_seqlens_k, *self._longest
+
+    def forward(self, q, k, v, scale):
+        """(out (1, h_q, span, d_v), lse (1, h_q, span)) over the query span."""
+        out, lse = varlen_forward(*self._operands((q,), (k, v)), *self._call_args(q.device), scale=scale,
+                                  aligned=True, **self.masking)
+        fillers = self._segments(q.device).q_fillers
+        if fillers is not None:
+            out.masked_fill_(fillers[:, None, None], 0.0)
+            lse.masked_fill_(fillers[:, None], float("-inf"))
+        return unpacked(out, 1), unpacked(lse, 1)
+
+    def backward(self, dout, q, k, v, out, lse, scale):
+        """(dq over the query span, dk and dv over the key span), each (1, H, span, D)."""
+        dout, q, k, v, out, lse = self._operands((dout, q), (k, v), (out, lse))
+        grads = varlen_backward(dout, q, k, v, out, lse, *self._call_args(q.device), scale=scale, aligned=True,
+                                **self.masking)
+        segments = self._segments(q.device)
+        for grad, fillers in zip(grads, (segments.q_fillers, segments.k_fillers, segments.k_fillers)):
+            if fillers is not None:
+                grad.masked_fill_(fillers[:, None, None], 0.0)
+        return tuple(unpacked(grad, 1) for grad in grads)
+
+    def _operands(self, *groups):
+        """Packed views of the span's rows: groups alternate query rows, key rows, query rows."""
+        spans = (self.q_rows, self.k_rows, self.q_rows)
+        return [packed(x[:, :, rows]) for rows, group in zip(spans, groups) for x in group]
+
+
+def _rows_mask(rows: list, span: slice, device):
+    if not rows:
+        return None
+    mask = torch.zeros(span.stop - span.start, dtype=torch.bool)
+    mask[rows] = True
+    return mask.to(device)
+
+
+def _chains(tiles) -> list[list]:
+    """Tiles in chains whose query rows and key rows both increase, each tile in the first chain it
+    extends: a query row seen through two key ranges, or keys seen by two query ranges, need two."""
+    chains = []
+    for tile in sorted(tiles, key=lambda t: (t.q_rows.start, t.k_rows.start)):
+        chain = next((c for c in chains if c[-1].q_rows.stop <= tile.q_rows.start
+                      and c[-1].k_rows.stop <= tile.k_rows.start), None)
+        if chain is None:
+            chains.append([tile])
+        else:
+            chain.append(tile)
+    return chains
+
+
+def _kind(tile, is_causal, window):
+    """The masking of the packed call a tile can join, as sorted items, or None (a single call)."""
+    if not tile.masking:
+        return ()
+    mask = tile.masking
+    square = (mask["q_offset"] == mask["k_offset"]
+              and tile.q_rows.stop - tile.q_rows.start == tile.k_rows.stop - tile.k_rows.start)
+    return (("is_causal", is_causal), ("window", tuple(window))) if square else None
+
+
+def packed_calls(tiles, is_causal: bool, window: tuple) -> tuple:
+    """``tiles`` as kernel calls: ``PackedTiles`` where two or more pack, else the tiles themselves."""
+    calls, kinds = [], {}
+    for tile in tiles:
+        kind = _kind(tile, is_causal, window)
+        if kind is None:
+            calls.append(tile)
+        else:
+            kinds.setdefault(kind, []).append(tile)
+    for kind, members in kinds.items():
+        calls += [chain[0] if len(chain) == 1 else PackedTiles(tuple(chain), dict(kind)) for chain in _chains(members)]
+    return tuple(calls)

@@ -1,0 +1,277 @@
+"""Tiles of many documents packed into a few varlen calls per context-parallel step: how many
+kernel calls a step makes (counted at the entry points the calls go through), and the results of
+a ring and an all-gather run step by step in one process against the float64 oracle."""
+import itertools
+
+import pytest
+import torch
+
+from attn_compile.cp import packed_tiles, tiles
+from attn_compile.cp.bench_documents import mixed_lengths
+from attn_compile.cp.documents import DocumentSharding
+from attn_compile.cp.layout import SequenceSharding
+from attn_compile.cp.merge import MergedResult
+from attn_compile.cp.packed_tiles import PackedTiles
+from attn_compile.cp.tiles import Tile, attend_tiles, attend_tiles_backward, plan_calls, plan_tiles
+from oracle import naive_attention, rel_err
+
+NO_WINDOW = (-1, -1)
+HEADS = (4, 2, 16, 8)  # (h_q, h_kv, d_qk, d_v): GQA and MLA
+SCALE = 0.3
+
+
+def _cu(lengths) -> tuple:
+    return (0, *itertools.accumulate(lengths))
+
+
+def _bench_cu():
+    """The bench's 17 documents of 1451..22360 tokens (131072 in all)."""
+    return _cu(mixed_lengths(131072, seed=0))
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts the kernel calls of the tiles: dense ones (a single tile) and packed (varlen) ones."""
+    counts = {"dense": 0, "varlen": 0}
+    for module, name, kind in ((tiles, "attention_forward", "dense"), (tiles, "attention_backward", "dense"),
+                               (packed_tiles, "varlen_forward", "varlen"),
+                               (packed_tiles, "varlen_backward", "varlen")):
+        def counting(*args, _kernel=getattr(module, name), _kind=kind, **kwargs):
+            counts[_kind] += 1
+            return _kernel(*args, **kwargs)
+        monkeypatch.setattr(module, name, counting)
+    return counts
+
+
+def _documents(seed, tiny=(1, 3)):
+    """17 document lengths like the bench's mix (log-uniform), scaled down to run on the reference,
+    with ``tiny`` ones among them."""
+    lengths = mixed_lengths(1024, seed=seed, shortest=16, longest=160, tiny=tiny)
+    return lengths[:17 - len(tiny)] + list(tiny)
+
+
+def _inputs(total, seed):
+    torch.manual_seed(seed)
+    h_q, h_kv, d_qk, d_v = HEADS
+    return [torch.randn(1, h, total, d) for h, d in ((h_q, d_qk), (h_kv, d_qk), (h_kv, d_v), (h_q, d_v))]
+
+
+def _oracle(q, k, v, dout, cu, is_causal, window):
+    """Per-document float64 attention of (1, H, T, D) tensors: out, dq, dk, dv."""
+    parts = []
+    for start, end in itertools.pairwise(cu):
+        x64 = [x[:, :, start:end].double().requires_grad_() for x in (q, k, v)]
+        out = naive_attention(*x64, is_causal=is_causal, window=window, scale=SCALE)
+        parts.append([out, *torch.autograd.grad(out, x64, dout[:, :, start:end].double())])
+    return [torch.cat(column, 2) for column in zip(*parts)]
+
+
+def _run_steps(sharding, is_causal, window, strategy, counts, seed=0):
+    """Runs every rank's ring (or all-gather) step by step in this process, in float64, checks the
+    whole batch's out, dq, dk, dv against the oracle, and returns the kernel calls of each (rank,
+    step), forward steps first."""
+    q, k, v, dout = (x.double() for x in _inputs(sharding.total, seed))
+    shard = lambda x, rank: sharding.take(x, rank, 2)  # noqa: E731
+    whole = lambda pieces: sharding.join(torch.stack([sharding.pad(p, 2) for p in pieces]), 2)  # noqa: E731
+    cp, per_step = sharding.cp, []
+    held = [shard(torch.arange(sharding.total)[None, None], rank)[0, 0] for rank in range(cp)]
+    sources = [[(rank - step) % cp for step in range(cp)] if strategy == "ring" else [None] for rank in range(cp)]
+
+    def keys(rank, source):
+        if source is None:
+            return sharding.whole_chunks(), k, v
+        return sharding.chunks(source), shard(k, source), shard(v, source)
+
+    def counted_call(fn):
+        before = dict(counts)
+        fn()
+        per_step.append(sum(counts.values()) - sum(before.values()))
+
+    results, grads = [], [torch.zeros_like(x) for x in (q, k, v)]
+    for rank in range(cp):
+        plans = [plan_calls(sharding.chunks(rank), keys(rank, s)[0], is_causal, window) for s in sources[rank]]
+        result = MergedResult(shard(q, rank), shard(v, rank), [c.q_rows for plan in plans for c in plan])
+        for plan, source in zip(plans, sources[rank]):
+            counted_call(lambda: attend_tiles(shard(q, rank), *keys(rank, source)[1:], plan, SCALE, result))
+        results.append(result)
+    for rank in range(cp):
+        out, lse = results[rank].out, results[rank].lse
+        dq = torch.zeros_like(shard(q, rank))
+        for plan_source in sources[rank]:
+            chunks, k_part, v_part = keys(rank, plan_source)
+            plan = plan_calls(sharding.chunks(rank), chunks, is_causal, window)
+            dk, dv = torch.zeros_like(k_part), torch.zeros_like(v_part)
+            counted_call(lambda: attend_tiles_backward(shard(dout, rank), shard(q, rank), k_part, v_part, out, lse,
+                                                       plan, SCALE, dq, dk, dv))
+            rows = torch.arange(sharding.total) if plan_source is None else held[plan_source]
+            grads[1][:, :, rows] += dk
+            grads[2][:, :, rows] += dv
+        grads[0][:, :, held[rank]] += dq
+    got = [whole([r.out for r in results]), *grads]
+    want = _oracle(q, k, v, dout, sharding.cu_seqlens, is_causal, window)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert rel_err(g, w) <= 1e-10, (name, rel_err(g, w))
+    steps = len(sources[0])
+    return [per_step[rank * steps:(rank + 1) * steps] for rank in range(2 * cp)]
+
+
+@pytest.mark.parametrize("strategy", ["ring", "allgather"])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_causal_calls_per_step_do_not_grow_with_documents(cp, layout, strategy, counted):
+    """17 documents of mixed lengths, causal, no window: at most 2 calls per ring step (the
+    diagonal's squares as one causal call, the fully visible tiles as one) and 3 for the all-gather
+    (the keys before each zigzag chunk of a document in one non-causal call per chunk, the squares
+    in one causal call), forward and backward alike; per tile they were up to 3 per document. The
+    same with documents shorter than 2·cp, whose chunks are one token or none."""
+    for tiny in ((), (1, 3, 2)):
+        sharding = DocumentSharding(_cu(_documents(cp, tiny)), cp, layout)
+        per_step = _run_steps(sharding, True, NO_WINDOW, strategy, counted)
+        assert max(itertools.chain(*per_step)) <= (2 if strategy == "ring" else 3), (tiny, per_step)
+    assert counted["varlen"] > 0
+
+
+def _check_windowed(calls):
+    """At most two packed calls (the diagonal's squares, the fully visible tiles); the other calls
+    are single bands off the diagonal."""
+    assert sum(isinstance(call, PackedTiles) for call in calls) <= 2
+    for call in calls:
+        if isinstance(call, Tile):
+            assert call.masking and call.masking["q_offset"] != call.masking["k_offset"], call
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_calls_per_step_of_the_bench_batch(cp):
+    """The bench's batch, causal: at most 2 calls per ring step (per tile: up to 51) and 3 for the
+    all-gather (per tile: 34). With its window of 4096, a ring step makes one call per partly
+    visible tile off the diagonal beside its packed calls (5 to 12 in all; per tile 20 to 51), and
+    the all-gather one per chunk whose band starts inside its document (18 to 34; per tile 34):
+    their shifts differ from document to document."""
+    sharding = DocumentSharding(_bench_cu(), cp, "zigzag")
+    for rank in range(cp):
+        q_chunks = sharding.chunks(rank)
+        for step in range(cp):
+            k_chunks = sharding.chunks((rank - step) % cp)
+            assert len(plan_calls(q_chunks, k_chunks, True)) <= 2 < 17 <= len(plan_tiles(q_chunks, k_chunks, True))
+            windowed = plan_calls(q_chunks, k_chunks, True, (4096, 0))
+            _check_windowed(windowed)
+            assert len(windowed) <= 12
+        assert len(plan_calls(q_chunks, sharding.whole_chunks(), True)) <= 3
+        _check_windowed(plan_calls(q_chunks, sharding.whole_chunks(), True, (4096, 0)))
+
+
+@pytest.mark.parametrize("window", [(6, 0), (6, 6)])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("strategy", ["ring", "allgather"])
+def test_windowed_steps_are_exact_and_pack_the_diagonal(strategy, is_causal, window, counted):
+    """With a window, the diagonal's squares and the fully visible tiles still pack; partly visible
+    tiles off the diagonal stay one call each."""
+    sharding = DocumentSharding(_cu(_documents(7)), 2, "zigzag")
+    _run_steps(sharding, is_causal, window, strategy, counted, seed=1)
+    assert counted["varlen"] > 0
+
+
+def test_full_attention_is_one_call_per_step(counted):
+    sharding = DocumentSharding(_cu(_documents(3)), 4, "zigzag")
+    per_step = _run_steps(sharding, False, NO_WINDOW, "ring", counted, seed=2)
+    assert max(itertools.chain(*per_step)) == 1, per_step
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_a_dense_sequence_keeps_its_tiles(layout):
+    """One document (a dense sequence) runs a call per tile as before: at most two per step."""
+    sharding = SequenceSharding(4, layout, 16)
+    for rank, step, window in itertools.product(range(4), range(4), (NO_WINDOW, (5, 0))):
+        q_chunks = sharding.chunks(rank)
+        for k_chunks in (sharding.chunks((rank - step) % 4), sharding.whole_chunks()):
+            assert plan_calls(q_chunks, k_chunks, True, window) is plan_tiles(q_chunks, k_chunks, True, window)
+
+
+def _nan_in(kernel, fillers):
+    """``kernel`` with NaN written into each result's filler rows (``fillers``, one per result)."""
+    def run(*args, **kwargs):
+        results = kernel(*args, **kwargs)
+        for result, rows in zip(results, fillers):
+            result[rows] = float("nan")
+        return results
+    return run
+
+
+def test_filler_rows_give_nothing_whatever_the_kernel_writes(monkeypatch):
+    """Rows between a packed call's tiles (filler segments, with no key or no query) come out as
+    seeing nothing and get no gradient even where a kernel leaves NaN in them."""
+    q, k, v, dout = (x.double() for x in _inputs(12, 3))
+    call = PackedTiles((Tile(slice(2, 4), slice(0, 3), {}), Tile(slice(7, 9), slice(5, 6), {})), {})
+    segments = call._segments(q.device)
+    assert segments.q_fillers.tolist() == [False, False, True, True, True, False, False]
+    assert segments.k_fillers.tolist() == [False, False, False, True, True, False]
+    out, lse = torch.zeros_like(dout), torch.zeros(1, HEADS[0], 12, dtype=torch.float64)
+
+    def run():
+        part_out, part_lse = call.forward(q, k, v, SCALE)
+        return part_out.clone(), part_lse.clone(), *call.backward(dout, q, k, v, out, lse, SCALE)
+
+    want = run()
+    assert torch.equal(want[1][0, :, 2:5], torch.full((HEADS[0], 3), float("-inf"), dtype=torch.float64))
+    monkeypatch.setattr(packed_tiles, "varlen_forward", _nan_in(packed_tiles.varlen_forward, [segments.q_fillers] * 2))
+    monkeypatch.setattr(packed_tiles, "varlen_backward", _nan_in(packed_tiles.varlen_backward, [
+        segments.q_fillers, segments.k_fillers, segments.k_fillers]))
+    for got, expected in zip(run(), want):
+        assert torch.equal(got, expected)
+
+
+def test_sharding_indices_move_to_a_device_once():
+    sharding = DocumentSharding(_cu([3, 5, 1]), 2, "zigzag")
+    meta = torch.device("meta")
+    assert sharding.cu_seqlens_on(meta) is sharding.cu_seqlens_on(meta)
+    assert sharding.cu_seqlens_on(meta).dtype == torch.int32
+    assert sharding._at(torch.empty(2, 9, device=meta), 1, "_slots")[1] is \
+        sharding._at(torch.empty(2, 9, device=meta), 1, "_slots")[1]
+
+
+def test_a_part_over_many_segments_in_one_state_merges_once(monkeypatch):
+    """A packed call's part spans the segments that single tiles cut: where it finds them in the
+    same state it writes them with one merge, not one per segment."""
+    from attn_compile.cp import merge
+    merges = []
+    monkeypatch.setattr(merge, "merge_into", lambda *args, **kwargs: merges.append(args[0].shape))
+    q, _, v, _ = _inputs(40, 4)
+    rows = [slice(4 * i, 4 * i + 4) for i in range(10)]
+    result = MergedResult(q, v, [*rows, slice(0, 40), slice(0, 40)])
+    for part in (*rows, slice(0, 40), slice(0, 40)):
+        result.add(part, torch.randn_like(result.out[:, :, part]), torch.randn_like(result.lse[:, :, part]))
+    assert len(merges) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_packed_calls_match_their_tiles_run_alone_on_the_gpu(is_causal):
+    """On the dispatched kernels (FA4, Triton): a packed call's rows are its tiles' results, each
+    tile run as its own call, and its filler rows see nothing and get no gradient."""
+    sharding = DocumentSharding(_cu([8 * n for n in _documents(2)]), 2, "zigzag")
+    torch.manual_seed(0)
+    q, k, v, dout = (torch.randn(1, h, sharding.total, 128, device="cuda", dtype=torch.bfloat16)
+                     for h in (8, 2, 2, 8))
+    shard = lambda x, rank: sharding.take(x, rank, 2)  # noqa: E731
+    plans = [(plan_calls(sharding.chunks(0), sharding.chunks(source), is_causal), shard(k, source), shard(v, source))
+             for source in (0, 1)] + [(plan_calls(sharding.chunks(0), sharding.whole_chunks(), is_causal), k, v)]
+    q0, dout0 = shard(q, 0), shard(dout, 0)
+    for calls, k_part, v_part in plans:
+        for call in (call for call in calls if isinstance(call, PackedTiles)):
+            out, lse = call.forward(q0, k_part, v_part, SCALE)
+            span_out, span_lse = torch.zeros_like(dout0), torch.zeros(q0.shape[:3], device="cuda")
+            span_out[:, :, call.q_rows], span_lse[:, :, call.q_rows] = out, lse
+            grads = call.backward(dout0, q0, k_part, v_part, span_out, span_lse, SCALE)
+            covered = [torch.zeros(n, dtype=torch.bool, device="cuda") for n in (out.shape[2], grads[1].shape[2])]
+            for tile in call.tiles:
+                q_rows = slice(tile.q_rows.start - call.q_rows.start, tile.q_rows.stop - call.q_rows.start)
+                k_rows = slice(tile.k_rows.start - call.k_rows.start, tile.k_rows.stop - call.k_rows.start)
+                covered[0][q_rows], covered[1][k_rows] = True, True
+                alone = (*tile.forward(q0, k_part, v_part, SCALE),
+                         *tile.backward(dout0, q0, k_part, v_part, span_out, span_lse, SCALE))
+                packed = (out[:, :, q_rows], lse[:, :, q_rows], grads[0][:, :, q_rows], grads[1][:, :, k_rows],
+                          grads[2][:, :, k_rows])
+                for got, want in zip(packed, alone):
+                    assert rel_err(got.float(), want.float()) <= 2e-2
+            assert not out[:, :, ~covered[0]].any() and (lse[:, :, ~covered[0]] == float("-inf")).all()
+            assert not grads[0][:, :, ~covered[0]].any() and not grads[1][:, :, ~covered[1]].any()
