@@ -9,6 +9,9 @@ that are adjacent in both buffers run as one call, so a zigzag step off the diag
 half-size call. A shard's causal attention to its own keys is one causal call over its rows
 (``_causal_over_rows``): fewer, larger calls, and causal ones, which cuDNN's backward runs faster
 than full ones (about 470 against 300 TFLOP/s for MLA 192/128 on an H200).
+
+Packed documents give a few tiles per document; ``plan_calls`` runs the tiles of one kind across
+documents as one varlen call (``packed_tiles``), so a step's calls do not grow with its documents.
 """
 import functools
 import itertools
