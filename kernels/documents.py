@@ -1,8 +1,8 @@
 """Packed documents in a (B, S) batch: ``document_ids[b, i]`` names the document of position i, and
 a query sees only keys of its own document (ANDed with the other masks).
 
-FA4 (``fa4._Documents``) and the Triton kernels (``triton_tiles.document_args``) take the ids on
-the device. For the other kernels they are read here, on the host, at the cost of a device sync: where every row's
+The Triton kernels read the ids on the device (``triton_tiles.document_args``). For the other
+kernels they are read here, on the host, at the cost of a device sync: where every row's
 documents are contiguous runs, the batch is one packed varlen problem: the runs become cumulative
 lengths over the B·S tokens, and causal and window masks, which look only at position
 differences, mean the same inside a run. Otherwise the documents become a (B, 1, S, S) bool mask.

@@ -79,7 +79,7 @@ def _slower_than_as_is(call: AttentionCall):
 
 
 def _unrecordable(call: AttentionCall, cuda_graphs: bool):
-    """Only the kernels that take document ids on the device (FA4, Triton) can be recorded with them."""
+    """Only the kernels that take document ids on the device (Triton) can be recorded with them."""
     if not cuda_graphs or call.document_ids is None or example_tensor(call.q).device.type != "cuda":
         return None
     if kernel_of(call).startswith("varlen:"):

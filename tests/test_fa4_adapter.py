@@ -1,7 +1,6 @@
 """FlashAttention-4's adapter (kernels/fa4.py) on the CPU: which problems it takes, how the op's
-masks and positions map onto FA4's bottom-right aligned windows, and the key-padding and
-document-id algorithms (each row's runs through FA4's packed path; rows with holes, with an id that
-comes back or past the segment budget through the Triton kernels), with FA4's entry
+masks and positions map onto FA4's bottom-right aligned windows, and the key-padding algorithm
+(each row's run through FA4's packed path, holes through the Triton kernels), with FA4's entry
 points replaced by a stand-in that follows FA4's conventions over the float64 reference and records
 what it was handed. The real FA4 runs in tests/test_gpu_fa4.py."""
 import dataclasses
@@ -10,18 +9,16 @@ import pytest
 import torch
 
 from attn_compile.kernels import dispatch, fa4, reference
-from attn_compile.kernels.documents import same_document_mask
 from attn_compile.kernels.problem import Problem
 from oracle import naive_attention, rel_err
 
 
 class StandIn:
     """``_flash_attn_fwd`` and ``_flash_attn_bwd`` as FA4 defines them: (B, S, H, D) tensors, or
-    packed (total, H, D) ones whose batch entry b is rows [cu[b], cu[b] + seqused[b]), or [cu[b],
-    cu[b + 1]) without seqused (an entry of no rows computes nothing; rows past the last entry
-    belong to none); masks aligned bottom-right (the last query sees the last key); a negative or
-    absent window side unbounded; results written on the covered rows only, and gradient buffers
-    FA4 allocates left unwritten elsewhere (NaN here)."""
+    packed (total, H, D) ones whose batch entry b is rows [cu[b], cu[b] + seqused[b]); masks
+    aligned bottom-right (the last query sees the last key); a negative or absent window side
+    unbounded; results written on the covered rows only, and gradient buffers FA4 allocates left
+    unwritten elsewhere (NaN here)."""
 
     def __init__(self):
         self.calls = []
@@ -35,9 +32,8 @@ class StandIn:
             start = int(cu[b])
             n = int(used[b]) if used is not None else int(cu[b + 1]) - start
             return (slice(start, start + n),)
-        segments = [(rows(cu_seqlens_q, seqused_q, b), rows(cu_seqlens_k, seqused_k, b))
-                    for b in range(len(cu_seqlens_q) - 1)]
-        return [(q_rows, k_rows) for q_rows, k_rows in segments if q_rows[0].stop > q_rows[0].start]
+        return [(rows(cu_seqlens_q, seqused_q, b), rows(cu_seqlens_k, seqused_k, b))
+                for b in range(len(cu_seqlens_q) - 1)]
 
     @staticmethod
     def _masking(causal, softcap, left, right, s_q, s_k):
@@ -115,15 +111,7 @@ SUPPORTS = {  # name: (problem, facts, taken)
     "sm100 192/128": (_problem(d_qk=192, d_v=128), {"sm": (10, 0)}, True),
     "sm100 160/160": (_problem(d_qk=160, d_v=160), {"sm": (10, 0)}, False),
     "tensor mask": (_problem(attn_mask=torch.empty(0)), {}, False),
-    "document ids, causal": (_problem(is_causal=True, document_ids=torch.empty(0)), {}, True),
-    "document ids with a window and softcap": (_problem(window=(8, 2), softcap=5.0, document_ids=torch.empty(0)), {},
-                                               True),
-    "document ids, mla backward": (_problem(d_qk=192, d_v=128, document_ids=torch.empty(0), backward=True), {}, True),
-    "document ids with key padding": (_problem(document_ids=torch.empty(0), key_padding_mask=torch.empty(0)), {},
-                                      False),
-    "document ids, queries at an offset": (_problem(is_causal=True, q_offset=16, document_ids=torch.empty(0)), {},
-                                           False),
-    "document ids, fewer queries than keys": (_problem(s_q=16, document_ids=torch.empty(0)), {}, False),
+    "document ids": (_problem(document_ids=torch.empty(0)), {}, False),
     "key padding, causal": (_problem(is_causal=True, key_padding_mask=torch.empty(0)), {}, True),
     "key padding with a window": (_problem(window=(4, 0), key_padding_mask=torch.empty(0)), {}, False),
     "gqa+mla forward": (_problem(h_q=8, h_kv=2, d_qk=192, d_v=128, is_causal=True), {}, True),
@@ -164,10 +152,7 @@ DISPATCH = {  # name: (problem, forward kernel, backward kernel)
     "causal": (_problem(is_causal=True), "fa4", "fa4"),
     "softcap": (_problem(is_causal=True, softcap=30.0), "triton", "fa4"),
     "gqa+mla": (_problem(h_q=8, h_kv=2, d_qk=192, d_v=128, is_causal=True), "fa4", "cudnn"),
-    "document ids": (_problem(is_causal=True, document_ids=torch.empty(0)), "fa4", "fa4"),
-    "document ids, softcap": (_problem(is_causal=True, softcap=30.0, document_ids=torch.empty(0)), "triton", "fa4"),
-    "document ids with key padding": (_problem(document_ids=torch.empty(0), key_padding_mask=torch.empty(0)),
-                                      "triton", "triton"),
+    "document ids": (_problem(is_causal=True, document_ids=torch.empty(0)), "triton", "triton"),
     "band FA4 cannot align": (_problem(window=(-1, 8), q_offset=0, k_offset=20), "triton", "triton"),
 }
 
@@ -183,8 +168,6 @@ def test_dispatch_without_flash_attn_4_is_unchanged(monkeypatch):
     monkeypatch.setattr(fa4, "interface", lambda: None)
     assert dispatch._first(dispatch.FUSED, _on(_problem(is_causal=True))).name == "cudnn"
     assert dispatch._first(dispatch.FUSED_VARLEN, _on(_problem(is_causal=True))).name == "triton"
-    documents = _on(_problem(is_causal=True, document_ids=torch.empty(0)))
-    assert dispatch._first(dispatch.FUSED, documents).name == "triton"
 
 
 # Numerics through the stand-in ------------------------------------------------------------------------------
@@ -201,9 +184,6 @@ def _against_oracle(q, k, v, **masking):
     dout = torch.randn_like(out)
     grads = fa4.attention_backward(dout, q.detach(), k.detach(), v.detach(), out, lse, scale=scale, **masking)
     qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
-    documents = masking.pop("document_ids", None)
-    if documents is not None:
-        masking["attn_mask"] = same_document_mask(documents)
     want = naive_attention(qd, kd, vd, **masking)
     want_grads = torch.autograd.grad(want, (qd, kd, vd), dout.double())
     errors = [rel_err(out, want), *(rel_err(g, w) for g, w in zip(grads, want_grads))]
@@ -259,64 +239,6 @@ def test_key_padding_against_oracle(standin, name):
     if causal:
         assert torch.equal(forward_calls[0]["seqused_q"], run) and forward_calls[0]["causal"]
         assert not forward_calls[1]["causal"]
-
-
-def document_ids(rows, dtype=torch.int64):
-    """(B, S) ids from each row's runs, given as (id, length) pairs."""
-    return torch.stack([torch.cat([torch.full((n,), i, dtype=dtype) for i, n in row]) for row in rows])
-
-
-DOCUMENTS = {  # name: (rows of (id, length) runs, masking, (h_q, h_kv, d_qk, d_v), rows recomputed by Triton)
-    "rising ids, causal, gqa": ([[(0, 5), (1, 11), (2, 8)], [(0, 24)], [(4, 1), (5, 23)]], dict(is_causal=True),
-                                (4, 2, 16, 8), []),
-    "falling ids, two-sided window": ([[(7, 9), (2, 6), (5, 9)], [(3, 20), (1, 4)]], dict(window=(3, 2)),
-                                      (4, 2, 16, 16), []),
-    "an id that comes back, causal": ([[(0, 6), (1, 10), (0, 8)], [(1, 12), (2, 12)]], dict(is_causal=True),
-                                      (4, 2, 16, 8), [0]),
-    "more runs than the budget, causal window": ([[(0, 14), (1, 10)], [(n, 2) for n in range(12)], [(0, 24)]],
-                                                 dict(is_causal=True, window=(4, -1)), (4, 2, 16, 8), [1, 2]),
-    "softcap, full attention": ([[(0, 7), (1, 17)], [(2, 3), (0, 21)]], dict(softcap=2.0), (4, 4, 16, 16), []),
-    "mla 192/128, causal": ([[(0, 10), (1, 14)], [(1, 9), (0, 6), (1, 9)]], dict(is_causal=True), (2, 2, 192, 128),
-                            [1]),
-}
-
-
-@pytest.fixture
-def few_segments(monkeypatch):
-    """A segment budget of B + B * S // 8: small test batches then hold several documents a row."""
-    monkeypatch.setattr(fa4, "TOKENS_PER_SEGMENT", 8)
-
-
-@pytest.mark.parametrize("name", list(DOCUMENTS))
-def test_document_ids_against_oracle(standin, few_segments, name):
-    """Each row's runs through one FA4 call, the rows it cannot run (an id that comes back, runs past
-    the budget of 4B segments here) through the Triton kernels: forward and gradients against the
-    float64 oracle, at every position."""
-    torch.manual_seed(3)
-    rows, masking, (h_q, h_kv, d_qk, d_v), triton_rows = DOCUMENTS[name]
-    ids = document_ids(rows)
-    q, k, v = (_projected(len(rows), h, 24, d) for h, d in ((h_q, d_qk), (h_kv, d_qk), (h_kv, d_v)))
-    _against_oracle(q, k, v, document_ids=ids, **masking)
-    calls = [call for call in standin.calls if call["direction"] == "fwd"]
-    assert len(calls) == 1 and calls[0]["seqused_q"] is None
-    starts = [b * 24 + sum(n for _, n in row[:t]) for b, row in enumerate(rows) for t in range(len(row))]
-    budget = len(rows) * 4
-    expected = (starts + [len(rows) * 24] * (budget + 1))[:budget + 1]  # empty segments start at the end
-    assert calls[0]["cu_seqlens_q"].tolist() == expected and calls[0]["cu_seqlens_k"] is calls[0]["cu_seqlens_q"]
-    assert fa4._Documents(ids).triton_rows.nonzero().flatten().tolist() == triton_rows
-
-
-def test_document_ids_bool_and_default_budget(standin):
-    """Bool ids (two documents that alternate, so a row of runs 0, 1, 0 has an id that comes back),
-    and the default budget, one segment a 24-token row, shared by the batch: row 1's second run
-    takes the segment row 2 would start with, so row 2 runs past the budget."""
-    torch.manual_seed(4)
-    ids = document_ids([[(True, 24)], [(False, 10), (True, 14)], [(False, 5), (True, 5), (False, 14)]],
-                       dtype=torch.bool)
-    assert fa4.segment_budget(3, 24) == 3
-    assert fa4._Documents(ids).triton_rows.tolist() == [False, False, True]
-    q, k, v = (_projected(3, h, 24, d) for h, d in ((4, 16), (2, 16), (2, 8)))
-    _against_oracle(q, k, v, document_ids=ids, is_causal=True)
 
 
 def test_varlen_mapping(standin):

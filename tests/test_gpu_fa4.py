@@ -7,11 +7,10 @@ import torch
 
 import attn_compile  # noqa: F401
 from attn_compile.kernels import fa4, select_kernel
-from attn_compile.kernels.documents import same_document_mask
 from attn_compile.kernels.problem import Problem, capability
 from attn_compile.kernels.result_layout import empty_out
 from oracle import naive_attention, rel_err
-from test_fa4_adapter import document_ids, key_padding
+from test_fa4_adapter import key_padding
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or fa4.interface() is None or capability(torch.device("cuda"))[0] not in (9, 10),
@@ -36,20 +35,14 @@ def _qkv(batch, h_q, h_kv, s_q, s_k, d_qk, d_v, projected=True):
     return make(h_q, s_q, d_qk), make(h_kv, s_k, d_qk), make(h_kv, s_k, d_v)
 
 
-def _on_cpu(masking):
-    """The masking for the oracle, on the CPU: document ids as their bool mask."""
-    masking = {n: m.cpu() if torch.is_tensor(m) else m for n, m in masking.items()}
-    documents = masking.pop("document_ids", None)
-    return masking if documents is None else {**masking, "attn_mask": same_document_mask(documents)}
-
-
 def _check(q, k, v, name, backward=True, **masking):
     """FA4's forward (and backward) against the oracle; returns the errors."""
     assert fa4.supports(Problem.of(q, k, v, **masking)), name
     _poison()
     out, lse = fa4.attention_forward(q, k, v, scale=q.shape[-1] ** -0.5, **masking)
     assert out.stride() == empty_out(q, v.shape[-1]).stride(), name
-    want = naive_attention(*(x.detach().cpu() for x in (q, k, v)), **_on_cpu(masking))
+    want = naive_attention(*(x.detach().cpu() for x in (q, k, v)), **{n: m.cpu() if torch.is_tensor(m) else m
+                                                                       for n, m in masking.items()})
     errors = {"out": rel_err(out.cpu(), want)}
     assert not out.isnan().any(), name
     if backward:
@@ -59,7 +52,7 @@ def _check(q, k, v, name, backward=True, **masking):
         grads = fa4.attention_backward(dout, q.detach(), k.detach(), v.detach(), out, lse, scale=q.shape[-1] ** -0.5,
                                        **masking)
         qd, kd, vd = (x.detach().cpu().double().requires_grad_() for x in (q, k, v))
-        ref = naive_attention(qd, kd, vd, **_on_cpu(masking))
+        ref = naive_attention(qd, kd, vd, **{n: m.cpu() if torch.is_tensor(m) else m for n, m in masking.items()})
         want_grads = torch.autograd.grad(ref, (qd, kd, vd), dout.cpu().double())
         for n, g, w, x in zip(("dq", "dk", "dv"), grads, want_grads, (q, k, v)):
             assert g.shape == x.shape and g.stride() == torch.empty_like(x).stride(), (name, n)
@@ -120,51 +113,6 @@ def test_key_padding_against_float64(name):
     _check(q, k, v, name, is_causal=causal, key_padding_mask=key_padding(lengths, 256, left, holes).cuda())
 
 
-DOCUMENTS = {  # name: (rows of (id, length) runs, h_q, h_kv, d_qk, d_v, masking, backward)
-    "documents rising ids, gqa causal": ([[(0, 100), (1, 37), (2, 119)], [(0, 256)]], 8, 2, 128, 128,
-                                         dict(is_causal=True), True),
-    "documents falling ids, window (32, 8)": ([[(5, 130), (2, 126)], [(9, 7), (3, 249)]], 8, 2, 128, 128,
-                                              dict(window=(32, 8)), True),
-    "documents, an id that comes back (triton row)": ([[(0, 90), (1, 70), (0, 96)], [(1, 256)]], 8, 2, 128, 128,
-                                                      dict(is_causal=True), True),
-    "documents past the budget of 4 (triton row)": ([[(0, 50), (1, 50), (2, 156)], [(0, 80), (1, 80), (2, 96)]],
-                                                    8, 2, 128, 128, dict(is_causal=True), True),
-    "documents mla 8h 192/128 causal": ([[(0, 200), (1, 56)], [(3, 17), (4, 239)]], 8, 8, 192, 128,
-                                        dict(is_causal=True), True),
-    "documents gqa+mla 16/2 192/128 causal (fwd)": ([[(0, 200), (1, 56)], [(0, 256)]], 16, 2, 192, 128,
-                                                    dict(is_causal=True), False),
-    "documents softcap 5, window (64, 0)": ([[(0, 128), (1, 128)], [(0, 64), (1, 192)]], 8, 2, 128, 128,
-                                            dict(window=(64, 0), softcap=5.0), True),
-}
-
-
-@pytest.mark.parametrize("name", list(DOCUMENTS))
-def test_document_ids_against_float64(name):
-    torch.manual_seed(4)
-    rows, h_q, h_kv, d_qk, d_v, masking, backward = DOCUMENTS[name]
-    q, k, v = _qkv(len(rows), h_q, h_kv, 256, 256, d_qk, d_v)
-    _check(q, k, v, name, backward=backward, document_ids=document_ids(rows).cuda(), **masking)
-
-
-def test_document_ids_through_the_op():
-    """The op on bool ids, rows of both kinds (one through FA4's segments, one whose id comes back
-    through Triton), dispatched to FA4 both ways, against the float64 oracle."""
-    torch.manual_seed(5)
-    q, k, v = _qkv(2, 8, 2, 256, 256, 128, 128)
-    ids = document_ids([[(False, 100), (True, 156)], [(True, 60), (False, 60), (True, 136)]], torch.bool).cuda()
-    assert select_kernel(q, k, v, is_causal=True, document_ids=ids) == "fa4"
-    _poison()
-    out, _ = torch.ops.attn_cp.attention(q, k, v, None, True, None, document_ids=ids)
-    dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
-    qd, kd, vd = (x.detach().cpu().double().requires_grad_() for x in (q, k, v))
-    want = naive_attention(qd, kd, vd, **_on_cpu(dict(is_causal=True, document_ids=ids)))
-    want_grads = torch.autograd.grad(want, (qd, kd, vd), dout.cpu().double())
-    errors = [rel_err(out.cpu(), want), *(rel_err(g.cpu(), w) for g, w in zip(grads, want_grads))]
-    print("\ndocument ids through the op: " + " ".join(f"{e:.1e}" for e in errors))
-    assert max(errors) <= TOL
-
-
 def test_varlen_against_float64():
     torch.manual_seed(2)
     lengths = [100, 37, 200, 1]
@@ -197,10 +145,7 @@ DISPATCH = {  # name: (h_q, h_kv, d_qk, d_v, masking, expected)
     "ring tile, causal at an offset": (8, 2, 128, 128, dict(is_causal=True, q_offset=256, k_offset=0), "fa4"),
     "tile FA4 cannot align": (8, 2, 128, 128, dict(window=(-1, 8), q_offset=0, k_offset=20), "triton"),
     "document ids": (8, 2, 128, 128, dict(is_causal=True, document_ids=torch.zeros(1, 256, dtype=torch.int32)),
-                     "fa4"),
-    "document ids, softcap": (8, 2, 128, 128, dict(is_causal=True, softcap=30.0,
-                                                   document_ids=torch.zeros(1, 256, dtype=torch.int32)),
-                              "triton (backward fa4)"),
+                     "triton"),
 }
 
 
@@ -211,27 +156,17 @@ def test_dispatch(name):
     assert select_kernel(q, k, v, **masking) == expected
 
 
-GRAPHED = {  # name: (masking of the capture, the same masks' tensors refilled before the replay)
-    "key padding": (lambda: dict(key_padding_mask=key_padding([256, 100], 256).cuda()),
-                    lambda: dict(key_padding_mask=key_padding([30, 256], 256).cuda())),
-    "document ids": (lambda: dict(document_ids=document_ids([[(0, 100), (1, 156)], [(0, 256)]]).cuda()),
-                     lambda: dict(document_ids=document_ids([[(0, 256)], [(3, 50), (1, 70), (3, 136)]]).cuda())),
-}
-
-
-@pytest.mark.parametrize("name", list(GRAPHED))
-def test_cuda_graph_capture(name):
-    """The op, forward and backward through FA4, recorded into one CUDA graph and replayed on new
-    data and new masks: nothing in it syncs with the host, and the masks are read on the device."""
+def test_cuda_graph_capture():
+    """The op, forward and backward through FA4 with key padding, recorded into one CUDA graph
+    and replayed on new data: nothing in it syncs with the host."""
     torch.manual_seed(3)
-    captured, replayed = (make() for make in GRAPHED[name])
     q, k, v = _qkv(2, 8, 2, 256, 256, 128, 128)
+    mask = key_padding([256, 100], 256).cuda()
     static = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     dout = torch.randn(2, 8, 256, 128, device="cuda", dtype=BF16)
-    assert select_kernel(*static, is_causal=True, **captured) == "fa4"
 
     def step():
-        out, _ = torch.ops.attn_cp.attention(*static, None, True, None, **captured)
+        out, _ = torch.ops.attn_cp.attention(*static, None, True, None, key_padding_mask=mask)
         return (out, *torch.autograd.grad(out, static, dout))
 
     stream = torch.cuda.Stream()
@@ -246,8 +181,6 @@ def test_cuda_graph_capture(name):
     with torch.no_grad():
         for x, new in zip(static, fresh):
             x.copy_(new)
-        for mask, new in zip(captured.values(), replayed.values()):
-            mask.copy_(new)
     graph.replay()
     expected = step()  # FA4's backward adds dQ up with atomics, so bits may differ from run to run
     for got, want in zip(results, expected):
