@@ -16,9 +16,9 @@ def naive_probs(q, k, *, attn_mask=None, is_causal=False, scale=None, window=(-1
     scores = q @ k.transpose(-1, -2) * scale
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
-    i = torch.arange(q.shape[2])[:, None] + q_offset
-    j = torch.arange(k.shape[2])[None, :] + k_offset
-    visible = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool)
+    i = torch.arange(q.shape[2], device=q.device)[:, None] + q_offset
+    j = torch.arange(k.shape[2], device=q.device)[None, :] + k_offset
+    visible = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device)
     if is_causal:
         visible &= j <= i
     left, right = window

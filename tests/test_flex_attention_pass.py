@@ -58,7 +58,7 @@ def _qkv(requires_grad=True):
 
 def _attention(mask_mod, score_mod=None):
     def fn(q, k, v):
-        block_mask = create_block_mask(mask_mod, 2, None, q.shape[2], k.shape[2], device="cpu")
+        block_mask = create_block_mask(mask_mod, 2, None, q.shape[2], k.shape[2], device=q.device)
         return flex_attention(q, k, v, block_mask=block_mask, score_mod=score_mod, enable_gqa=True)
     return fn
 
