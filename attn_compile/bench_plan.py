@@ -24,26 +24,26 @@ HEADS = {  # name: (h_q, h_kv, d_qk, d_v), as bench cp runs them
 
 # Measured fwd+bwd TFLOP/s per GPU of `bench cp` (bf16, causal, batch 1, zigzag), by
 # (GPUs, heads, global tokens): {strategy: TFLOP/s}; the hybrid ran on a (2, 2) mesh.
+# NVIDIA H200s (NVLink) of one 4-GPU host (2 of them for 2 GPUs), 2026-11-27, torch 2.11.0+cu130,
+# flash-attn-4 4.0.0b36 inside the single-GPU op.
 MEASURED = {
-    # 2x NVIDIA H200 (NVLink), 2026-11-23, torch 2.11.0+cu130 (BENCHMARKS.md, "Context parallelism")
-    (2, "GQA 32/8 d128", 65536): dict(ring=524, allgather=522, ulysses=519),
-    (2, "GQA 32/8 d128", 131072): dict(ring=538, allgather=540, ulysses=525),
-    (2, "MLA 16h 192/128", 65536): dict(ring=385, allgather=348, ulysses=457),
-    (2, "MLA 16h 192/128", 131072): dict(ring=387, allgather=364, ulysses=475),
-    # 4x NVIDIA H200 (NVLink), 2026-11-27, the project at 5ec20fe
-    (4, "GQA 32/8 d128", 65536): dict(ring=505, allgather=503, ulysses=519, hybrid=506),
-    (4, "GQA 32/8 d128", 131072): dict(ring=519, allgather=532, ulysses=519, hybrid=525),
-    (4, "MLA 16h 192/128", 65536): dict(ring=327, allgather=311, ulysses=465, hybrid=371),
-    (4, "MLA 16h 192/128", 131072): dict(ring=353, allgather=339, ulysses=470, hybrid=384),
+    (2, "GQA 32/8 d128", 65536): dict(ring=590, allgather=583, ulysses=587),
+    (2, "GQA 32/8 d128", 131072): dict(ring=605, allgather=607, ulysses=611),
+    (2, "MLA 16h 192/128", 65536): dict(ring=477, allgather=464, ulysses=491),
+    (2, "MLA 16h 192/128", 131072): dict(ring=503, allgather=498, ulysses=514),
+    (4, "GQA 32/8 d128", 65536): dict(ring=558, allgather=550, ulysses=586, hybrid=564),
+    (4, "GQA 32/8 d128", 131072): dict(ring=571, allgather=583, ulysses=594, hybrid=575),
+    (4, "MLA 16h 192/128", 65536): dict(ring=415, allgather=412, ulysses=482, hybrid=446),
+    (4, "MLA 16h 192/128", 131072): dict(ring=472, allgather=466, ulysses=505, hybrid=480),
 }
 
 # The same runs' single-GPU op on the same per-GPU work and PyTorch's context_parallel (the better
 # rotate method), fwd+bwd TFLOP/s per GPU, by (GPUs, heads, global tokens).
 LOCAL_AND_PYTORCH = {
-    (2, "GQA 32/8 d128", 65536): (553, 516), (2, "GQA 32/8 d128", 131072): (548, 535),
-    (2, "MLA 16h 192/128", 65536): (507, 383), (2, "MLA 16h 192/128", 131072): (495, 384),
-    (4, "GQA 32/8 d128", 65536): (548, 487), (4, "GQA 32/8 d128", 131072): (546, 507),
-    (4, "MLA 16h 192/128", 65536): (499, 325), (4, "MLA 16h 192/128", 131072): (499, 348),
+    (2, "GQA 32/8 d128", 65536): (626, 521), (2, "GQA 32/8 d128", 131072): (624, 538),
+    (2, "MLA 16h 192/128", 65536): (528, 383), (2, "MLA 16h 192/128", 131072): (531, 384),
+    (4, "GQA 32/8 d128", 65536): (618, 491), (4, "GQA 32/8 d128", 131072): (613, 506),
+    (4, "MLA 16h 192/128", 65536): (526, 325), (4, "MLA 16h 192/128", 131072): (527, 349),
 }
 
 ASSUMPTIONS = (

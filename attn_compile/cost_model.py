@@ -1,9 +1,9 @@
 """Time and memory of each context-parallel strategy for one attention call, fwd + bwd.
 
 A small analytic model: compute at the kernel's throughput, transfers at the link's bandwidth,
-and overlap only where the strategy really overlaps (the ring hides each step's transfer behind
-the previous step's compute; all-gather and Ulysses wait for their collectives). The defaults
-describe NVLink-connected H100/H200 (see BENCHMARKS.md); pass ``Hardware(...)`` to override.
+and overlap only where the strategy can overlap (the ring, by ``Hardware.ring_overlap``, behind
+each step's compute; all-gather and Ulysses wait for their collectives). The defaults describe
+NVLink-connected H100/H200 (see BENCHMARKS.md); pass ``Hardware(...)`` to override.
 
 Past one node, ``Hardware.gpus_per_node`` adds a second, slower link between nodes: a ring or an
 all-gather that crosses nodes runs at that link's speed, and an all-to-all sends the share of its
@@ -25,26 +25,30 @@ BACKWARD_COMPUTE = 2.5  # backward FLOPs over forward FLOPs (flash attention rec
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
-    # Measured 2026-11-22 (BENCHMARKS.md): cuDNN causal fwd 548-618 TFLOP/s on H100 and H200;
+    # Fwd+bwd of the single-GPU op with FlashAttention-4 inside, causal bf16, d_qk == d_v: 613-626
+    # TFLOP/s on H200; fitted to its context-parallel runs (bench plan --validate), where the calls
+    # are shorter, 610.
+    kernel_tflops: float = 610.0
     # `bench cp --links` on 2x H200 NVLink: ring pass 306 GB/s, all-gather 259, all-to-all 287.
-    kernel_tflops: float = 550.0
     link_gbps: float = 306.0  # each way per GPU, batched isend/irecv
-    allgather_efficiency: float = 0.85  # all-gather reaches this fraction of link_gbps
-    a2a_efficiency: float = 0.94  # all-to-all likewise
+    # All-gather's share of link_gbps in a whole fwd+bwd (bench plan --validate): the collective
+    # alone reaches 0.85, but the strategy also zeroes, splits and casts fp32 gradients of the
+    # whole sequence's K and V around its reduce-scatter
+    allgather_efficiency: float = 0.40
+    a2a_efficiency: float = 0.94  # all-to-all's share of link_gbps
     memory_gbps: float = 3000.0  # HBM, for the fp32 merge of partial outputs and Ulysses' copies
     step_overhead_s: float = 30e-6  # launches and synchronisation of one ring step
-    # cuDNN's backward with d_qk != d_v (MLA 192/128, H200) runs causal tiles at 469 TFLOP/s, 0.85 of
-    # kernel_tflops, and full (unmasked) ones at 300, 0.64 of the causal speed; with d_qk == d_v the
-    # two run alike (551 / 532 at 128/128)
-    unequal_dims_backward: float = 0.85
-    unequal_dims_full_backward: float = 0.64
+    # The backward with d_qk != d_v runs at this share of kernel_tflops: the single-GPU op's MLA
+    # 192/128 fwd+bwd is 526-531 TFLOP/s on H200, against 613-626 at 128/128
+    unequal_dims_backward: float = 0.80
     # Between nodes: ranks fill node after node; 0 GPUs per node means every GPU is in one node.
     gpus_per_node: int = 0
     internode_gbps: float = 50.0  # each way per GPU: one 400 Gb/s network port per GPU
     gpu_memory_gb: float = 80.0  # what one GPU holds, for ``options``' memory check
     # The share of a ring step's transfer that runs beside the step's compute: 0 where the transfer's
-    # kernel does not run beside the attention kernel (as NCCL's beside cuDNN's on H200s, BENCHMARKS.md)
-    ring_overlap: float = 1.0
+    # kernel does not run beside the attention kernel, as NCCL's did not beside cuDNN's on H200s
+    # (BENCHMARKS.md); the FA4 runs fit 0 best too (bench plan --validate)
+    ring_overlap: float = 0.0
 
     def spans_nodes(self, ranks: int, stride: int = 1) -> bool:
         """Whether a group of ``ranks`` ranks ``stride`` apart crosses nodes (a group starts at a
@@ -105,18 +109,6 @@ class Problem:
             return (s + 1) / 2
         return min(s, (s if left == UNBOUNDED else left) + (s if right == UNBOUNDED else right) + 1)
 
-    def full_tile_share(self, ranks: int, one_call: bool) -> float:
-        """The share of a rank's work that runs as full (unmasked) tiles: all of it without a mask.
-        Under a mask, none for one call over the whole sequence (Ulysses); for a ring or gather over
-        ``ranks``, all but the diagonal step's 1/ranks under a plain causal mask, and none under a
-        window (its steps' tiles are masked)."""
-        left, right = effective_window(self.is_causal, self.window)
-        if left == UNBOUNDED and right == UNBOUNDED:
-            return 1.0
-        if one_call or (left, right) != (UNBOUNDED, 0):
-            return 0.0
-        return 1 - 1 / ranks
-
     def ring_transfers(self, ranks: int) -> int:
         """Ring steps that move K and V: all but the first, unless a window on contiguous shards
         lets the ring stop early (cp/ring.py stops after the last step any rank needs)."""
@@ -152,11 +144,9 @@ class Estimate:
                 f"transfer {self.transfer_s * 1e6:.4g} us, memory {self.memory_bytes / 2**20:.4g} MiB)")
 
 
-def _backward_compute(p: Problem, hw: Hardware, full_share: float) -> float:
-    """Backward time over forward time, with ``full_share`` of the work in full tiles."""
-    if p.d_qk == p.d_v:
-        return BACKWARD_COMPUTE
-    return BACKWARD_COMPUTE / hw.unequal_dims_backward * (1 - full_share + full_share / hw.unequal_dims_full_backward)
+def _backward_compute(p: Problem, hw: Hardware) -> float:
+    """Backward time over forward time."""
+    return BACKWARD_COMPUTE if p.d_qk == p.d_v else BACKWARD_COMPUTE / hw.unequal_dims_backward
 
 
 def _ring(p: Problem, hw: Hardware, ranks: int, compute: float, backward: float, stride: int = 1
@@ -179,8 +169,7 @@ def _ring(p: Problem, hw: Hardware, ranks: int, compute: float, backward: float,
 
 def estimate(strategy: str, p: Problem, hw: Hardware = Hardware()) -> Estimate:
     compute = p.forward_flops() / (hw.kernel_tflops * 1e12)
-    ring_ranks = p.mesh_shape[0] if strategy == "hybrid" else p.cp  # the hybrid's ring runs across the outer dim
-    backward = _backward_compute(p, hw, p.full_tile_share(ring_ranks, one_call=strategy == "ulysses"))
+    backward = _backward_compute(p, hw)
     total_compute = compute * (1 + backward)
     if strategy == "ring":
         transfer, time, memory = _ring(p, hw, p.cp, compute, backward)

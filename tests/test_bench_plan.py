@@ -16,8 +16,8 @@ def _plan(capsys, *argv):
 
 def test_plan_past_one_node(capsys):
     out = _plan(capsys, "--gpus", "16", "--gpus-per-node", "8", "--seq", "131072", "--heads", "32", "8", "128", "128")
-    assert out.startswith("assumptions: cost_model.Hardware(kernel_tflops=550.0, link_gbps=306.0, ")
-    assert "gpus_per_node=8, internode_gbps=50.0, gpu_memory_gb=80.0, ring_overlap=1.0)" in out.splitlines()[0]
+    assert out.startswith("assumptions: cost_model.Hardware(kernel_tflops=610.0, link_gbps=306.0, ")
+    assert "gpus_per_node=8, internode_gbps=50.0, gpu_memory_gb=80.0, ring_overlap=0.0)" in out.splitlines()[0]
     table = out.split("\n\n")[1].splitlines()
     assert table[0] == "heads 32/8 d 128/128, 131072 tokens, batch 1, on 16 GPUs (2 nodes)"
     assert table[1].split() == ["strategy", "mesh", "ms", "fwd+bwd", "ms", "exposed", "GB", "per", "GPU"]
@@ -58,17 +58,18 @@ def test_validation_prints_the_model_error_against_measured_tables(capsys):
     assert len(rows) == 28, out  # 2 GPUs: 4 shapes x 3 strategies; 4 GPUs: 4 shapes x 4 (the hybrid as 2x2)
     assert sum(" hybrid " in row and " 2x2 " in row for row in rows) == 4
     summary = re.fullmatch(r"  mean \|error\| (\d+\.\d)% over 28 points; the model's fastest is the measured "
-                           r"fastest in \d of 8 shapes, and measured at (\d\.\d+) of it or more", out[-1])
-    assert summary and float(summary[1]) < 5.0 and float(summary[2]) > 0.95, out[-1]
+                           r"fastest in (\d) of 8 shapes, and measured at (\d\.\d+) of it or more", out[-1])
+    # the eighth shape (GQA on 2 GPUs at 64K) measured ring, Ulysses and all-gather within 1.2%
+    assert summary and float(summary[1]) < 2.0 and int(summary[2]) >= 7 and float(summary[3]) > 0.99, out[-1]
 
 
 def test_efficiency_against_gpu_count():
     """The plot's points: the best measured strategy and PyTorch's context_parallel over the
-    single-GPU op, one GPU at 1.0 (4x H200, GQA 32/8 at 128K: 532 / 546 and 507 / 546)."""
+    single-GPU op, one GPU at 1.0 (4x H200, GQA 32/8 at 128K: Ulysses 594 / 613 and 506 / 613)."""
     from attn_compile import bench_plan
 
     curves = bench_plan.efficiency()
     assert set(curves) == {(name, seq) for _, name, seq in bench_plan.MEASURED}
     gqa = curves["GQA 32/8 d128", 131072]
     assert [gpus for gpus, _ in gqa["attn_cp"]] == [1, 2, 4]
-    assert abs(gqa["attn_cp"][2][1] - 532 / 546) < 1e-9 and abs(gqa["PyTorch"][2][1] - 507 / 546) < 1e-9
+    assert abs(gqa["attn_cp"][2][1] - 594 / 613) < 1e-9 and abs(gqa["PyTorch"][2][1] - 506 / 613) < 1e-9
