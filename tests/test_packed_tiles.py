@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 
-from attn_compile.cp import packed_tiles, tiles
+from attn_compile.cp import device_copies, packed_tiles, tiles
 from attn_compile.cp.bench_documents import mixed_lengths
 from attn_compile.cp.documents import DocumentSharding
 from attn_compile.cp.layout import SequenceSharding
@@ -227,6 +227,41 @@ def test_sharding_indices_move_to_a_device_once():
     assert sharding.cu_seqlens_on(meta).dtype == torch.int32
     assert sharding._at(torch.empty(2, 9, device=meta), 1, "_slots")[1] is \
         sharding._at(torch.empty(2, 9, device=meta), 1, "_slots")[1]
+
+
+def test_a_causal_window_no_narrower_than_causal_packs_as_causal():
+    sharding = DocumentSharding(_cu([8 * n for n in _documents(2)]), 2, "zigzag")
+    for keys in (sharding.chunks(0), sharding.chunks(1), sharding.whole_chunks()):  # ring steps, all-gather
+        chunks = sharding.chunks(0), keys
+        shapes = [[(type(call), call.q_rows, call.k_rows) for call in plan_calls(*chunks, True, window)]
+                  for window in ((-1, 0), (-1, -1))]
+        assert shapes[0] == shapes[1]
+
+
+def test_a_masked_packed_call_refuses_tiles_off_the_diagonal():
+    tile = Tile(slice(0, 4), slice(0, 6), dict(is_causal=True, window=(-1, -1), q_offset=2, k_offset=0))
+    with pytest.raises(ValueError, match="squares on the diagonal only"):
+        PackedTiles((tile,), dict(is_causal=True, window=(-1, -1)))
+
+
+def test_device_copies_made_under_inference_mode_serve_a_later_backward():
+    """An evaluation under inference mode first, then training on the same packing: the cached
+    index must not be an inference tensor, which autograd cannot save."""
+    sharding = DocumentSharding(_cu([3, 5, 1]), 2, "zigzag")
+    with torch.inference_mode():
+        sharding.take(torch.randn(1, 2, 9, 4), 0, 2)
+    x = torch.randn(1, 2, 9, 4, requires_grad=True)
+    sharding.take(x, 0, 2).sum().backward()
+    assert x.grad.sum() == 2 * 4 * sharding.local_len(0)
+
+
+def test_device_copies_are_bounded_whatever_holds_their_owners():
+    """A new packing per batch: the copies of old packings are dropped, though the shardings' own
+    caches keep the shardings."""
+    shardings = [DocumentSharding(_cu([3, n, 1]), 2, "zigzag") for n in range(2, 2 + 2 * device_copies.LIMIT)]
+    for sharding in shardings:
+        sharding.take(torch.randn(1, 1, sharding.total, 1), 0, 2)
+    assert len(device_copies._copies) == device_copies.LIMIT
 
 
 def test_a_part_over_many_segments_in_one_state_merges_once(monkeypatch):

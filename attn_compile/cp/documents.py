@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import device_copies
 from .comm import all_gather_stacked, cp_rank, cp_size, process_groups
 from .layout import Chunk, check_layout, chunk_ids, chunks_per_rank
 
@@ -62,18 +63,13 @@ class ChunkSharding:
         slots = [(rank, row) for rank in range(self.cp) for row in range(self.local_len(rank), self.shard_len)]
         return tuple(torch.tensor([slot[i] for slot in slots], dtype=torch.long) for i in range(2))
 
-    @functools.cached_property
-    def _on_device(self) -> dict:
-        return {}
-
     def _to(self, name: str, device) -> tuple:
-        """The tensors of the cached property ``name`` (a tensor, or a sequence of them) on
-        ``device``, copied there once: a host-to-device copy of every row's index on every call
-        costs more than the gather it serves."""
-        if (name, device) not in self._on_device:
+        """The tensors of the cached property ``name`` (a tensor, or a sequence of them) on ``device``
+        (``device_copies``)."""
+        def build():
             value = getattr(self, name)
-            self._on_device[name, device] = tuple(x.to(device) for x in ((value,) if torch.is_tensor(value) else value))
-        return self._on_device[name, device]
+            return (value,) if torch.is_tensor(value) else tuple(value)
+        return device_copies.on_device(self, name, device, build)
 
     def _at(self, stacked: torch.Tensor, dim: int, slots: str) -> tuple:
         """The index into ``stacked.movedim(0, dim)`` (rank next to row) of the (rank, row) slots

@@ -16,12 +16,14 @@ filler rows' gradients as 0, so merging and adding the call's whole span is exac
 the ``(1, H, S, D)`` shards as packed ``(S, H, D)`` views: packed documents are one batch entry.
 """
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from attn_compile.kernels import varlen_backward, varlen_forward
 from attn_compile.kernels.documents import packed, unpacked
+
+from . import device_copies
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,13 @@ class PackedTiles:
     their query rows and key rows each disjoint and increasing."""
     tiles: tuple
     masking: dict
-    _on_device: dict = field(default_factory=dict, compare=False, repr=False)  # device -> _Segments
+
+    def __post_init__(self):
+        # aligned=True below tells the kernels that each segment's queries and keys sit at the same
+        # positions, which only squares on the diagonal satisfy
+        if self.masking and any(t.q_rows.stop - t.q_rows.start != t.k_rows.stop - t.k_rows.start or
+                                t.masking["q_offset"] != t.masking["k_offset"] for t in self.tiles):
+            raise ValueError(f"a masked packed call takes squares on the diagonal only; got {self.tiles}")
 
     @property
     def q_rows(self) -> slice:
@@ -70,15 +78,13 @@ class PackedTiles:
         return q_lengths, k_lengths, q_fillers, k_fillers
 
     def _segments(self, device) -> _Segments:
-        """Built once per device: a host-to-device copy on every call would cost more than it carries."""
-        if device not in self._on_device:
+        """The call's segments on ``device`` (``device_copies``)."""
+        def build():
             q_lengths, k_lengths, q_fillers, k_fillers = self._host_segments
-            cu = [torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+            cu = [torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
                   for lengths in (q_lengths, k_lengths)]
-            fillers = [_rows_mask(rows, span, device) for rows, span in ((q_fillers, self.q_rows),
-                                                                           (k_fillers, self.k_rows))]
-            self._on_device[device] = _Segments(*cu, *fillers)
-        return self._on_device[device]
+            return (*cu, _rows_mask(q_fillers, self.q_rows), _rows_mask(k_fillers, self.k_rows))
+        return _Segments(*device_copies.on_device(self, "segments", device, build))
 
     @functools.cached_property
     def _longest(self) -> tuple[int, int]:
@@ -115,12 +121,12 @@ class PackedTiles:
         return [packed(x[:, :, rows]) for rows, group in zip(spans, groups) for x in group]
 
 
-def _rows_mask(rows: list, span: slice, device):
+def _rows_mask(rows: list, span: slice):
     if not rows:
         return None
     mask = torch.zeros(span.stop - span.start, dtype=torch.bool)
     mask[rows] = True
-    return mask.to(device)
+    return mask
 
 
 def _chains(tiles) -> list[list]:

@@ -58,12 +58,17 @@ def _adjacent_runs(chunks, keep):
     return runs
 
 
+def _causal_only(is_causal, window) -> bool:
+    """The mask is plain causal: no window, or one that a causal mask makes no narrower."""
+    return is_causal and effective_window(is_causal, window) == (NO_WINDOW[0], 0)
+
+
 def _causal_over_rows(q_chunks, k_chunks, is_causal, window) -> bool:
     """Causal attention over buffer rows equals it over positions: the keys are the queries' own
     chunks, of one document, back to back in the buffer and in increasing position (gaps allowed:
     a later chunk sees all of an earlier one, an earlier none of a later)."""
     return (
-        is_causal and tuple(window) == NO_WINDOW and q_chunks == k_chunks
+        _causal_only(is_causal, window) and q_chunks == k_chunks
         and len({chunk.document for chunk in q_chunks}) == 1
         and all(a.row + a.length == b.row and a.position + a.length <= b.position
                 for a, b in zip(q_chunks, q_chunks[1:]))
@@ -125,7 +130,7 @@ def _split_at_queries(tile) -> tuple[Tile, ...]:
     mask = tile.masking
     before = mask["q_offset"] - mask["k_offset"] if mask else 0
     q_len, k_len = tile.q_rows.stop - tile.q_rows.start, tile.k_rows.stop - tile.k_rows.start
-    if not (mask and mask["is_causal"] and tuple(mask["window"]) == NO_WINDOW and before > 0
+    if not (mask and _causal_only(mask["is_causal"], mask["window"]) and before > 0
             and k_len - before == q_len):
         return (tile,)
     split = tile.k_rows.start + before
