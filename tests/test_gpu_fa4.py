@@ -70,6 +70,7 @@ DENSE = {  # name: (batch, h_q, h_kv, s_q, s_k, d_qk, d_v, masking, backward)
     "gqa+mla 16/2 192/128 causal (fwd)": (2, 16, 2, 256, 256, 192, 128, dict(is_causal=True), False),
     "window (32, 8)": (2, 8, 2, 256, 256, 128, 128, dict(window=(32, 8)), True),
     "window (64, -1) causal": (2, 8, 2, 256, 256, 128, 128, dict(window=(64, -1), is_causal=True), True),
+    "keys from the diagonal on, window (0, -1)": (2, 8, 2, 256, 256, 128, 128, dict(window=(0, -1)), True),
     "softcap 1.5 causal": (2, 8, 2, 256, 256, 128, 128, dict(is_causal=True, softcap=1.5), True),
     "d256 gqa 4/2 window softcap": (1, 4, 2, 256, 256, 256, 256, dict(window=(64, 0), softcap=5.0), True),
     "ring tile: causal, queries after keys": (2, 8, 2, 128, 256, 128, 128,

@@ -2,6 +2,7 @@
 kernel calls a step makes (counted at the entry points the calls go through), and the results of
 a ring and an all-gather run step by step in one process against the float64 oracle."""
 import itertools
+import random
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from attn_compile.cp.layout import SequenceSharding
 from attn_compile.cp.merge import MergedResult
 from attn_compile.cp.packed_tiles import PackedTiles
 from attn_compile.cp.tiles import Tile, attend_tiles, attend_tiles_backward, plan_calls, plan_tiles
+from attn_compile.kernels.visibility import effective_window
 from oracle import naive_attention, rel_err
 
 NO_WINDOW = (-1, -1)
@@ -132,21 +134,22 @@ def test_causal_calls_per_step_do_not_grow_with_documents(cp, layout, strategy, 
 
 
 def _check_windowed(calls):
-    """At most two packed calls (the diagonal's squares, the fully visible tiles); the other calls
-    are single bands off the diagonal."""
-    assert sum(isinstance(call, PackedTiles) for call in calls) <= 2
+    """Every masked call is a square whose queries and keys sit at the same positions (one that
+    packs), whatever the document: the diagonal's under the window, and the band edges' squares."""
     for call in calls:
-        if isinstance(call, Tile):
-            assert call.masking and call.masking["q_offset"] != call.masking["k_offset"], call
+        for tile in (call.tiles if isinstance(call, PackedTiles) else (call,)):
+            assert not tile.masking or (tile.masking["q_offset"] == tile.masking["k_offset"]
+                                        and tile.q_rows.stop - tile.q_rows.start
+                                        == tile.k_rows.stop - tile.k_rows.start), tile
 
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_calls_per_step_of_the_bench_batch(cp):
     """The bench's batch, causal: at most 2 calls per ring step (per tile: up to 51) and 3 for the
-    all-gather (per tile: 34). With its window of 4096, a ring step makes one call per partly
-    visible tile off the diagonal beside its packed calls (5 to 12 in all; per tile 20 to 51), and
-    the all-gather one per chunk whose band starts inside its document (18 to 34; per tile 34):
-    their shifts differ from document to document."""
+    all-gather (per tile: 34). With its window of 4096, at most 4 per ring step (per tile: 20 to
+    51) and 5 for the all-gather (per tile: 34): the diagonal's squares under the window, the
+    squares on the bands' edges (one causal call, one that sees from the diagonal on) and the fully
+    visible tiles."""
     sharding = DocumentSharding(_bench_cu(), cp, "zigzag")
     for rank in range(cp):
         q_chunks = sharding.chunks(rank)
@@ -155,17 +158,48 @@ def test_calls_per_step_of_the_bench_batch(cp):
             assert len(plan_calls(q_chunks, k_chunks, True)) <= 2 < 17 <= len(plan_tiles(q_chunks, k_chunks, True))
             windowed = plan_calls(q_chunks, k_chunks, True, (4096, 0))
             _check_windowed(windowed)
-            assert len(windowed) <= 12
+            assert len(windowed) <= 4
         assert len(plan_calls(q_chunks, sharding.whole_chunks(), True)) <= 3
-        _check_windowed(plan_calls(q_chunks, sharding.whole_chunks(), True, (4096, 0)))
+        windowed = plan_calls(q_chunks, sharding.whole_chunks(), True, (4096, 0))
+        _check_windowed(windowed)
+        assert len(windowed) <= 5
+
+
+def _pairs(tile, shape):
+    """(rows, columns) of the buffers: 1 where the tile computes the pair."""
+    seen = torch.zeros(shape, dtype=torch.int32)
+    i = torch.arange(tile.q_rows.stop - tile.q_rows.start)[:, None]
+    j = torch.arange(tile.k_rows.stop - tile.k_rows.start)[None, :]
+    visible = torch.ones(i.shape[0], j.shape[1], dtype=torch.bool)
+    if tile.masking:
+        left, right = effective_window(tile.masking["is_causal"], tile.masking["window"])
+        d = (tile.masking["k_offset"] + j) - (tile.masking["q_offset"] + i)
+        visible &= (d >= -left if left != -1 else True) & (d <= right if right != -1 else True)
+    seen[tile.q_rows, tile.k_rows] = visible.int()
+    return seen
+
+
+def test_band_parts_cover_each_visible_pair_once():
+    """Random masked tiles (cut to their bands or not): the parts compute exactly the tile's pairs,
+    each once, and every masked part is a square that packs."""
+    rng = random.Random(0)
+    for _ in range(400):
+        n, m = rng.randint(1, 30), rng.randint(1, 40)
+        window = tuple(rng.choice([-1, rng.randint(0, 20)]) for _ in range(2))
+        tile = Tile(slice(2, 2 + n), slice(3, 3 + m), dict(is_causal=rng.random() < 0.6, window=window,
+                                                           q_offset=rng.randint(0, 60), k_offset=rng.randint(0, 60)))
+        parts = tiles._band_parts(tile)
+        assert torch.equal(sum(_pairs(part, (40, 50)) for part in parts), _pairs(tile, (40, 50))), tile
+        if len(parts) > 1:
+            _check_windowed(parts)
 
 
 @pytest.mark.parametrize("window", [(6, 0), (6, 6)])
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("strategy", ["ring", "allgather"])
 def test_windowed_steps_are_exact_and_pack_the_diagonal(strategy, is_causal, window, counted):
-    """With a window, the diagonal's squares and the fully visible tiles still pack; partly visible
-    tiles off the diagonal stay one call each."""
+    """With a window, every call packs: the diagonal's squares, the squares on the bands' edges and
+    the fully visible tiles."""
     sharding = DocumentSharding(_cu(_documents(7)), 2, "zigzag")
     _run_steps(sharding, is_causal, window, strategy, counted, seed=1)
     assert counted["varlen"] > 0
@@ -279,8 +313,8 @@ def test_a_part_over_many_segments_in_one_state_merges_once(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("is_causal", [False, True])
-def test_packed_calls_match_their_tiles_run_alone_on_the_gpu(is_causal):
+@pytest.mark.parametrize("is_causal, window", [(False, NO_WINDOW), (True, NO_WINDOW), (True, (24, 0))])
+def test_packed_calls_match_their_tiles_run_alone_on_the_gpu(is_causal, window):
     """On the dispatched kernels (FA4, Triton): a packed call's rows are its tiles' results, each
     tile run as its own call, and its filler rows see nothing and get no gradient."""
     sharding = DocumentSharding(_cu([8 * n for n in _documents(2)]), 2, "zigzag")
@@ -288,8 +322,9 @@ def test_packed_calls_match_their_tiles_run_alone_on_the_gpu(is_causal):
     q, k, v, dout = (torch.randn(1, h, sharding.total, 128, device="cuda", dtype=torch.bfloat16)
                      for h in (8, 2, 2, 8))
     shard = lambda x, rank: sharding.take(x, rank, 2)  # noqa: E731
-    plans = [(plan_calls(sharding.chunks(0), sharding.chunks(source), is_causal), shard(k, source), shard(v, source))
-             for source in (0, 1)] + [(plan_calls(sharding.chunks(0), sharding.whole_chunks(), is_causal), k, v)]
+    plans = [(plan_calls(sharding.chunks(0), sharding.chunks(source), is_causal, window), shard(k, source),
+              shard(v, source)) for source in (0, 1)]
+    plans.append((plan_calls(sharding.chunks(0), sharding.whole_chunks(), is_causal, window), k, v))
     q0, dout0 = shard(q, 0), shard(dout, 0)
     for calls, k_part, v_part in plans:
         for call in (call for call in calls if isinstance(call, PackedTiles)):

@@ -2,11 +2,11 @@
 
 A step of packed documents has a few tiles per document; one kernel call each costs far more host
 time than the tile's work where documents are short (FA4's CuTe DSL dispatch: 100 us or more a
-call). Tiles that every query sees fully make one non-causal varlen call, and tiles on the
-diagonal (queries and keys at the same positions, as many of each) one call under the plan's mask:
-each tile is a segment, and its positions start at 0 in both buffers, so the mask means the same
-there. Partly visible tiles off the diagonal have a band that differs per tile and stay single
-calls.
+call). Tiles that every query sees fully make one non-causal varlen call, and squares whose
+queries and keys sit at the same positions one call per mask: the diagonal's under the plan's
+mask, and the squares ``tiles._band_parts`` cuts on the edges of a window's band (causal, or
+seeing from the diagonal on). Each tile is a segment, and its positions start at 0 in both
+buffers, so the mask means the same there.
 
 A varlen call's segments partition a contiguous run of rows in each buffer, in order, so tiles go
 into chains whose query rows and key rows both increase (``_chains``), and the rows between two
@@ -22,6 +22,7 @@ import torch
 
 from attn_compile.kernels import varlen_backward, varlen_forward
 from attn_compile.kernels.documents import packed, unpacked
+from attn_compile.kernels.visibility import effective_window
 
 from . import device_copies
 
@@ -143,21 +144,25 @@ def _chains(tiles) -> list[list]:
     return chains
 
 
-def _kind(tile, is_causal, window):
-    """The masking of the packed call a tile can join, as sorted items, or None (a single call)."""
+def _kind(tile):
+    """The masking of the packed call a tile can join, as sorted items, or None (a single call):
+    fully visible tiles, and squares whose queries and keys sit at the same positions (the
+    diagonal, or a square a band's edge runs through, ``tiles._band_parts``), one call per mask."""
     if not tile.masking:
         return ()
     mask = tile.masking
     square = (mask["q_offset"] == mask["k_offset"]
               and tile.q_rows.stop - tile.q_rows.start == tile.k_rows.stop - tile.k_rows.start)
-    return (("is_causal", is_causal), ("window", tuple(window))) if square else None
+    # the window as the mask means it, so that causal squares with and without (-1, 0) pack together
+    window = effective_window(mask["is_causal"], mask["window"])
+    return (("is_causal", mask["is_causal"]), ("window", window)) if square else None
 
 
-def packed_calls(tiles, is_causal: bool, window: tuple) -> tuple:
+def packed_calls(tiles) -> tuple:
     """``tiles`` as kernel calls: ``PackedTiles`` where two or more pack, else the tiles themselves."""
     calls, kinds = [], {}
     for tile in tiles:
-        kind = _kind(tile, is_causal, window)
+        kind = _kind(tile)
         if kind is None:
             calls.append(tile)
         else:

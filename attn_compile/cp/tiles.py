@@ -10,8 +10,10 @@ half-size call. A shard's causal attention to its own keys is one causal call ov
 (``_causal_over_rows``): fewer, larger calls, and causal ones, which cuDNN's backward runs faster
 than full ones (about 470 against 300 TFLOP/s for MLA 192/128 on an H200).
 
-Packed documents give a few tiles per document; ``plan_calls`` runs the tiles of one kind across
-documents as one varlen call (``packed_tiles``), so a step's calls do not grow with its documents.
+Packed documents give a few tiles per document; ``plan_calls`` cuts each band tile of a window
+into squares on the band's edges and fully visible rectangles (``_band_parts``) and runs the tiles
+of one kind across documents as one varlen call (``packed_tiles``), so a step's calls do not grow
+with its documents.
 """
 import functools
 import itertools
@@ -123,19 +125,67 @@ def plan_tiles(q_chunks: tuple, k_chunks: tuple, is_causal: bool, window: tuple 
     return tuple(tiles)
 
 
-def _split_at_queries(tile) -> tuple[Tile, ...]:
-    """A causal tile whose keys start before its queries and end with them (a chunk against its
-    document's start, in the all-gather) as the keys before the queries, which every query sees,
-    and the square on the queries' own positions: two tiles of the kinds that pack."""
+def _part(tile, rows: tuple, cols: tuple, masking: dict) -> Tile:
+    """The part of ``tile`` over its local rows [a, b) and columns [c, d); a square under a mask
+    takes ``masking`` at equal offsets: its mask depends on the position difference alone."""
+    q, k = tile.q_rows.start, tile.k_rows.start
+    at = tile.masking["q_offset"] + rows[0]
+    return Tile(slice(q + rows[0], q + rows[1]), slice(k + cols[0], k + cols[1]),
+                {**masking, "q_offset": at, "k_offset": at} if masking else {})
+
+
+_CAUSAL_SQUARE = dict(is_causal=True, window=NO_WINDOW)  # keys up to the diagonal
+_ANTICAUSAL_SQUARE = dict(is_causal=False, window=(0, -1))  # keys from the diagonal on
+
+
+def _band_rows(a: int, b: int, m: int, lo, hi) -> list[tuple]:
+    """(rows, columns, masking) parts covering rows [a, b) of a band ``lo <= j - i <= hi`` over
+    columns [0, m), where either edge may lie outside every row (None: unbounded)."""
+    lower = lo is not None and a + lo >= 0  # the rows start at column i + lo, inside the tile
+    upper = hi is not None and b + hi <= m  # the rows end at column i + hi, inside the tile
+    if not lower and not upper:
+        return [((a, b), (0, m), {})]
+    if not lower:  # rows end at column i + hi: a causal square on that edge, all columns before it
+        return [((a, b), (a + hi, b + hi), _CAUSAL_SQUARE), ((a, b), (0, a + hi), {})]
+    if not upper:  # rows start at column i + lo: a square that sees from its diagonal on, the rest after it
+        return [((a, b), (a + lo, b + lo), _ANTICAUSAL_SQUARE), ((a, b), (b + lo, m), {})]
+    width = hi - lo
+    parts = []
+    for start in range(a, b, width):  # blocks no taller than the band is wide, so its edges do not meet
+        end = min(b, start + width)
+        parts += [((start, end), (start + lo, end + lo), _ANTICAUSAL_SQUARE),
+                  ((start, end), (end + lo, start + hi), {}),
+                  ((start, end), (start + hi, end + hi), _CAUSAL_SQUARE)]
+    return parts
+
+
+def _band_parts(tile) -> tuple[Tile, ...]:
+    """A masked tile off the diagonal as squares whose diagonals lie on its band's edges and fully
+    visible rectangles: tiles of the kinds that pack (``packed_tiles``), whatever the document.
+
+    In the tile's own rows i and columns j the band is ``lo <= j - i <= hi``. The rows split where
+    an edge leaves the tile (the first rows may see from column 0, the last rows up to the last
+    column); in each part the edges that cut become squares: a causal one on the upper edge, one
+    that sees from its diagonal on at the lower edge, and what lies between is fully visible. A band
+    narrower than its rows is cut into blocks of its width. A band of one diagonal stays whole."""
     mask = tile.masking
-    before = mask["q_offset"] - mask["k_offset"] if mask else 0
-    q_len, k_len = tile.q_rows.stop - tile.q_rows.start, tile.k_rows.stop - tile.k_rows.start
-    if not (mask and _causal_only(mask["is_causal"], mask["window"]) and before > 0
-            and k_len - before == q_len):
+    n, m = tile.q_rows.stop - tile.q_rows.start, tile.k_rows.stop - tile.k_rows.start
+    if not mask or (mask["q_offset"] == mask["k_offset"] and n == m):
         return (tile,)
-    split = tile.k_rows.start + before
-    return (Tile(tile.q_rows, slice(tile.k_rows.start, split), {}),
-            Tile(tile.q_rows, slice(split, tile.k_rows.stop), {**mask, "k_offset": mask["q_offset"]}))
+    left, right = effective_window(mask["is_causal"], mask["window"])
+    shift = mask["k_offset"] - mask["q_offset"]
+    lo = None if left == -1 else -left - shift
+    hi = None if right == -1 else right - shift
+    if lo is not None and hi is not None and hi <= lo:
+        return (tile,)
+    # the first row whose band starts inside the tile, and the first whose band ends past it
+    edges = (0 if lo is None else -lo, n if hi is None else m - hi)
+    cuts = sorted({0, n, *(min(n, max(0, r)) for r in edges)})
+    parts = [part for a, b in itertools.pairwise(cuts) for part in _band_rows(a, b, m, lo, hi)]
+    parts = [(rows, cols, masking) for rows, cols, masking in parts if rows[0] < rows[1] and cols[0] < cols[1]]
+    if any(cols[0] < 0 or cols[1] > m for _, cols, _ in parts):  # a tile not cut to its band
+        return (tile,)
+    return tuple(_part(tile, rows, cols, masking) for rows, cols, masking in parts)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -146,7 +196,7 @@ def plan_calls(q_chunks: tuple, k_chunks: tuple, is_causal: bool, window: tuple 
     tiles = plan_tiles(q_chunks, k_chunks, is_causal, window)
     if len({chunk.document for chunk in q_chunks}) < 2:
         return tiles
-    return packed_calls([part for tile in tiles for part in _split_at_queries(tile)], is_causal, window)
+    return packed_calls([part for tile in tiles for part in _band_parts(tile)])
 
 
 def attend_tiles(q, k, v, calls, scale: float, result) -> None:
