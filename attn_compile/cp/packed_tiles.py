@@ -36,6 +36,14 @@ class _Segments:
     k_fillers: torch.Tensor
 
 
+def on_diagonal(tile) -> bool:
+    """A masked tile whose queries and keys sit at the same positions, as many of each: its mask
+    means the same under either alignment of a varlen kernel."""
+    mask = tile.masking
+    return (mask["q_offset"] == mask["k_offset"]
+            and tile.q_rows.stop - tile.q_rows.start == tile.k_rows.stop - tile.k_rows.start)
+
+
 @dataclass(frozen=True)
 class PackedTiles:
     """Tiles (``tiles.Tile``) run as one varlen call with ``masking`` (is_causal, window, or none),
@@ -46,8 +54,7 @@ class PackedTiles:
     def __post_init__(self):
         # aligned=True below tells the kernels that each segment's queries and keys sit at the same
         # positions, which only squares on the diagonal satisfy
-        if self.masking and any(t.q_rows.stop - t.q_rows.start != t.k_rows.stop - t.k_rows.start or
-                                t.masking["q_offset"] != t.masking["k_offset"] for t in self.tiles):
+        if self.masking and not all(on_diagonal(tile) for tile in self.tiles):
             raise ValueError(f"a masked packed call takes squares on the diagonal only; got {self.tiles}")
 
     @property
@@ -150,12 +157,11 @@ def _kind(tile):
     diagonal, or a square a band's edge runs through, ``tiles._band_parts``), one call per mask."""
     if not tile.masking:
         return ()
-    mask = tile.masking
-    square = (mask["q_offset"] == mask["k_offset"]
-              and tile.q_rows.stop - tile.q_rows.start == tile.k_rows.stop - tile.k_rows.start)
+    if not on_diagonal(tile):
+        return None
     # the window as the mask means it, so that causal squares with and without (-1, 0) pack together
-    window = effective_window(mask["is_causal"], mask["window"])
-    return (("is_causal", mask["is_causal"]), ("window", window)) if square else None
+    mask = tile.masking
+    return ("is_causal", mask["is_causal"]), ("window", effective_window(mask["is_causal"], mask["window"]))
 
 
 def packed_calls(tiles) -> tuple:

@@ -19,7 +19,7 @@ from .comm import pass_round, resolve
 from .failures import failing_together, wait
 from .merge import MergedResult
 from .registration import register_strategy
-from .tiles import attend_tiles, attend_tiles_backward, plan_calls
+from .tiles import attend_tiles, attend_tiles_backward, plan_calls, plan_tiles
 
 KV_TAG, GRAD_TAG = 0, 1
 
@@ -32,8 +32,8 @@ def _calls(sharding, q_rank, kv_rank, is_causal, window):
 def ring_steps(sharding, is_causal: bool, window: tuple) -> int:
     """1 + the last step at which some rank's queries see the keys that have come to it."""
     cp = sharding.cp
-    needed = [step for step in range(cp) for rank in range(cp)
-              if _calls(sharding, rank, (rank - step) % cp, is_causal, window)]
+    needed = [step for step in range(cp) for rank in range(cp)  # the tiles alone: no call need be planned
+              if plan_tiles(sharding.chunks(rank), sharding.chunks((rank - step) % cp), is_causal, window)]
     return 1 + max(needed, default=0)
 
 

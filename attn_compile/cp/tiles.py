@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from attn_compile.kernels import attention_backward, attention_forward
 from attn_compile.kernels.visibility import Visibility, classify, effective_window
 
-from .packed_tiles import packed_calls
+from .packed_tiles import on_diagonal, packed_calls
 
 NO_WINDOW = (-1, -1)
 
@@ -170,7 +170,7 @@ def _band_parts(tile) -> tuple[Tile, ...]:
     narrower than its rows is cut into blocks of its width. A band of one diagonal stays whole."""
     mask = tile.masking
     n, m = tile.q_rows.stop - tile.q_rows.start, tile.k_rows.stop - tile.k_rows.start
-    if not mask or (mask["q_offset"] == mask["k_offset"] and n == m):
+    if not mask or on_diagonal(tile):
         return (tile,)
     left, right = effective_window(mask["is_causal"], mask["window"])
     shift = mask["k_offset"] - mask["q_offset"]
