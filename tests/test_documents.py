@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from attn_compile import shard_varlen, unshard_varlen
-from attn_compile.cp.documents import DocumentSharding, chunk_bounds, hybrid_shardings
+from attn_compile.cp.documents import DocumentSharding, chunk_bounds, host_values, hybrid_shardings
 from attn_compile.cp.tiles import plan_tiles
 from attn_compile.kernels.visibility import effective_window, visible
 from dist_harness import run_distributed
@@ -85,6 +85,27 @@ def test_document_sharding(cp, layout):
                 real, padding = shard.split([len(tokens), sharding.shard_len - len(tokens)], dim)
                 assert torch.equal(real, x.index_select(dim, tokens)) and not padding.any()
             assert torch.equal(sharding.join(shards, dim), x)
+        rows = torch.randn(cu[-1], 2, 3)  # token-major, as the Ulysses exchange moves packed documents
+        shards = sharding.scatter_rows(rows)
+        for tokens, shard in zip(held, shards):
+            assert torch.equal(shard[:len(tokens)], rows[tokens])
+        assert torch.equal(sharding.gather_rows(shards), rows)
+
+
+def test_host_values_read_once_per_version(monkeypatch):
+    """Every layer and both passes read the same cu_seqlens: read once (a device sync on a GPU),
+    read again after an in-place change, and never cached for inference tensors."""
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or tolist(self))
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    assert host_values(cu) == [0, 3, 7] and host_values(cu) == [0, 3, 7] and len(reads) == 1
+    cu[1:].add_(1)
+    assert host_values(cu) == [0, 4, 8] and len(reads) == 2
+    assert host_values(torch.tensor([0, 3, 7], dtype=torch.int32)) == [0, 3, 7] and len(reads) == 3
+    with torch.inference_mode():
+        frozen = torch.tensor([0, 5], dtype=torch.int32)
+    assert host_values(frozen) == [0, 5] and host_values(frozen) == [0, 5] and len(reads) == 5
 
 
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])

@@ -16,6 +16,7 @@ import itertools
 from dataclasses import dataclass
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import device_copies
 from .comm import all_gather_stacked, cp_rank, cp_size, process_groups
@@ -90,12 +91,31 @@ class ChunkSharding:
         shards = x.new_empty((self.cp, *x.shape[:dim], self.shard_len, *x.shape[dim + 1:]))
         by_rank = shards.movedim(0, dim)
         by_rank[self._at(shards, dim, "_slots")] = x
-        by_rank[self._at(shards, dim, "_padding_slots")] = 0
+        # a device zero: a Python 0 is copied from pageable host memory, which waits for the GPU
+        by_rank[self._at(shards, dim, "_padding_slots")] = x.new_zeros(())
         return shards
 
     def join(self, shards: torch.Tensor, dim: int) -> torch.Tensor:
         """The whole buffer from the stacked padded shards (``split`` undone), gathered in one pass."""
         return shards.movedim(0, dim)[self._at(shards, dim, "_slots")]
+
+    @functools.cached_property
+    def _stacked_rows(self) -> torch.Tensor:
+        """For each row of the whole buffer, its row in the stacked padded shards flattened."""
+        ranks, rows = self._slots
+        return ranks * self.shard_len + rows
+
+    def gather_rows(self, shards: torch.Tensor) -> torch.Tensor:
+        """``join`` on dim 1 of token-major shards (cp, shard_len, ...): whole rows, one index_select,
+        where ``join`` of a head-major tensor gathers element by element."""
+        return shards.flatten(0, 1).index_select(0, self._to("_stacked_rows", shards.device)[0])
+
+    def scatter_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``gather_rows`` undone: (total, ...) -> (cp, shard_len, ...). The padding rows are left
+        unwritten: no chunk covers them, so nothing reads them."""
+        shards = x.new_empty((self.cp * self.shard_len, *x.shape[1:]))
+        shards.index_copy_(0, self._to("_stacked_rows", x.device)[0], x)
+        return shards.unflatten(0, (self.cp, self.shard_len))
 
 
 @dataclass(frozen=True)
@@ -200,6 +220,21 @@ def document_sharding(cu_seqlens: tuple, cp: int, layout: str) -> DocumentShardi
     return DocumentSharding(cu_seqlens, cp, layout)
 
 
+_host_values = WeakIdKeyDictionary()
+
+
+def host_values(cu_seqlens: torch.Tensor) -> list[int]:
+    """``cu_seqlens.tolist()``, read once per tensor and version. On a GPU each read waits for the
+    device, and every layer of a step, forward and backward, passes the same tensor."""
+    if cu_seqlens.is_inference():  # no version counter to tell a change by
+        return cu_seqlens.tolist()
+    version, values = _host_values.get(cu_seqlens, (None, None))
+    if version != cu_seqlens._version:
+        version, values = cu_seqlens._version, cu_seqlens.tolist()
+        _host_values[cu_seqlens] = (version, values)
+    return values
+
+
 def check_cu_seqlens(name: str, cu_seqlens: torch.Tensor) -> None:
     """What can be checked without reading the values (no device sync)."""
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 \
@@ -231,7 +266,7 @@ def _sharding(cu_seqlens, groups, layout, total=None) -> DocumentSharding:
     """``total``: the token count of x (x.shape[0]), where the whole batch is at hand."""
     check_layout(layout)
     check_cu_seqlens("cu_seqlens", cu_seqlens)
-    values = cu_seqlens.tolist()
+    values = host_values(cu_seqlens)
     error = cu_seqlens_error("cu_seqlens", values, values[-1] if total is None else total, "x.shape[0]")
     if error:
         raise ValueError(error)

@@ -15,8 +15,8 @@ documents are exchanged again instead (their head shards' size is in cu_seqlens'
 the op returns empty tensors in their place.
 
 ``exchange_forward`` and ``exchange_backward`` take the attention run on the head shards, so
-the hybrid strategy reuses them around a ring. Packed documents (uneven shards) are padded to
-the longest shard for the exchange; the whole batch is then attended document by document.
+the hybrid strategy reuses them around a ring. Packed documents (uneven shards) are exchanged as
+token-major rows padded to the longest shard; the whole batch is then attended in one varlen call.
 """
 import math
 from typing import Optional
@@ -31,7 +31,7 @@ from attn_compile.kernels.reference import lse_dtype
 from .checks import check_call, sharding_of
 from .comm import all_to_all_stacked, sized_group
 from .failures import failing_together
-from .documents import DocumentSharding
+from .documents import ChunkSharding, DocumentSharding
 from .registration import fake_result, register_head_exchange
 
 
@@ -43,15 +43,36 @@ def to_head_shards(x, group, sharding):
     """(B, H, S_local, ...) sequence shard -> (B, H/cp, S, ...): this rank's heads, whole sequence
     in position order (for the hybrid, the inner group's part of it)."""
     cp = group.size()
-    received = all_to_all_stacked(sharding.pad(x, 2).unflatten(1, (cp, -1)).movedim(1, 0), group)
+    if isinstance(sharding, ChunkSharding):
+        return _rows_to_head_shards(x, group, sharding)
+    received = all_to_all_stacked(x.unflatten(1, (cp, -1)).movedim(1, 0), group)
     return sharding.join(received, dim=2)
 
 
 def to_sequence_shards(x, group, sharding):
     """to_head_shards undone."""
+    if isinstance(sharding, ChunkSharding):
+        return _rows_to_sequence_shards(x, group, sharding)
     received = all_to_all_stacked(sharding.split(x, dim=2), group)
     # (cp, B, H/cp, ...) -> (B, H, ...): a view, no copy, for B = 1
-    return received.movedim(0, 1).flatten(1, 2).narrow(2, 0, sharding.local_len(group.rank())).contiguous()
+    return received.movedim(0, 1).flatten(1, 2).contiguous()
+
+
+def _rows_to_head_shards(x, group, sharding):
+    """to_head_shards of packed documents (one batch entry, uneven shards): token-major rows go
+    out, padded to the longest shard, and come back in batch order by one row gather. The result
+    is token-major, the varlen kernels' layout."""
+    cp, tokens = group.size(), packed(x)  # (S_local, H, ...)
+    shards = tokens.new_empty((cp, sharding.shard_len, tokens.shape[1] // cp, *tokens.shape[2:]))
+    shards[:, :tokens.shape[0]] = tokens.unflatten(1, (cp, -1)).movedim(1, 0)  # the padding rows are never read
+    return unpacked(sharding.gather_rows(all_to_all_stacked(shards, group)), 1)
+
+
+def _rows_to_sequence_shards(x, group, sharding):
+    """_rows_to_head_shards undone: (1, H/cp, total, ...) -> (1, H, S_local, ...), contiguous."""
+    received = all_to_all_stacked(sharding.scatter_rows(packed(x)), group)  # (cp, shard_len, H/cp, ...)
+    mine = received.narrow(1, 0, sharding.local_len(group.rank()))
+    return mine.transpose(1, 2).flatten(0, 1).unsqueeze(0).contiguous()
 
 
 def to_head_shards_of(q, k, v, group, sharding):
