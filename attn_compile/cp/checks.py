@@ -15,7 +15,7 @@ import torch
 from attn_compile.validation import check_attention_args
 
 from .comm import all_gather_stacked, cp_rank, cp_size, host_groups
-from .documents import check_cu_seqlens, cu_seqlens_error, document_sharding
+from .documents import check_cu_seqlens, cu_seqlens_error, document_sharding, host_values
 from .layout import SequenceSharding, check_layout
 
 _SIGNATURE_BYTES = 512
@@ -69,7 +69,7 @@ def sharding_of(q, groups, layout: str, cu_seqlens=None):
     """Where the rows of q, k, v sit in the sequence: their ``SequenceSharding`` or ``DocumentSharding``."""
     if cu_seqlens is None:
         return SequenceSharding(cp_size(groups), layout, q.shape[2])
-    return document_sharding(tuple(cu_seqlens.tolist()), cp_size(groups), layout)
+    return document_sharding(tuple(host_values(cu_seqlens)), cp_size(groups), layout)
 
 
 def _packed_sharding(q, k, v, groups, layout, cu_seqlens, values, max_seqlen):
@@ -121,8 +121,8 @@ def check_call(q, k, v, groups, *, strategy: str, scale: float, is_causal: bool,
                    recompute_kv=recompute_kv)  # recompute_kv decides the backward's collectives
     packed = cu_seqlens is not None
     problem = None
-    if packed:  # the values are read once: on a GPU each read is a device sync
-        values = cu_seqlens.tolist()
+    if packed:
+        values = host_values(cu_seqlens)
         options["cu_seqlens"] = f"{len(values) - 1} documents, crc {zlib.crc32(str(values).encode()):08x}"
         sharding, problem = _packed_sharding(q, k, v, groups, layout, cu_seqlens, values, max_seqlen)
     check_same_on_all_ranks(groups, q, k, v, packed, problem=problem, **options)

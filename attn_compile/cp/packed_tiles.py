@@ -32,7 +32,7 @@ class _Segments:
     """A packed call's arguments on one device."""
     cu_seqlens_q: torch.Tensor
     cu_seqlens_k: torch.Tensor
-    q_fillers: torch.Tensor  # (query span,) bool: rows that belong to no tile; None where there are none
+    q_fillers: torch.Tensor  # rows of the query span that belong to no tile (int64); None where there are none
     k_fillers: torch.Tensor
 
 
@@ -91,7 +91,7 @@ class PackedTiles:
             q_lengths, k_lengths, q_fillers, k_fillers = self._host_segments
             cu = [torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
                   for lengths in (q_lengths, k_lengths)]
-            return (*cu, _rows_mask(q_fillers, self.q_rows), _rows_mask(k_fillers, self.k_rows))
+            return (*cu, *(torch.tensor(rows, dtype=torch.long) if rows else None for rows in (q_fillers, k_fillers)))
         return _Segments(*device_copies.on_device(self, "segments", device, build))
 
     @functools.cached_property
@@ -107,9 +107,9 @@ class PackedTiles:
         out, lse = varlen_forward(*self._operands((q,), (k, v)), *self._call_args(q.device), scale=scale,
                                   aligned=True, **self.masking)
         fillers = self._segments(q.device).q_fillers
-        if fillers is not None:
-            out.masked_fill_(fillers[:, None, None], 0.0)
-            lse.masked_fill_(fillers[:, None], float("-inf"))
+        if fillers is not None:  # filling the filler rows alone, not masking the whole span
+            out.index_fill_(0, fillers, 0.0)
+            lse.index_fill_(0, fillers, float("-inf"))
         return unpacked(out, 1), unpacked(lse, 1)
 
     def backward(self, dout, q, k, v, out, lse, scale):
@@ -120,21 +120,13 @@ class PackedTiles:
         segments = self._segments(q.device)
         for grad, fillers in zip(grads, (segments.q_fillers, segments.k_fillers, segments.k_fillers)):
             if fillers is not None:
-                grad.masked_fill_(fillers[:, None, None], 0.0)
+                grad.index_fill_(0, fillers, 0.0)
         return tuple(unpacked(grad, 1) for grad in grads)
 
     def _operands(self, *groups):
         """Packed views of the span's rows: groups alternate query rows, key rows, query rows."""
         spans = (self.q_rows, self.k_rows, self.q_rows)
         return [packed(x[:, :, rows]) for rows, group in zip(spans, groups) for x in group]
-
-
-def _rows_mask(rows: list, span: slice):
-    if not rows:
-        return None
-    mask = torch.zeros(span.stop - span.start, dtype=torch.bool)
-    mask[rows] = True
-    return mask
 
 
 def _chains(tiles) -> list[list]:
