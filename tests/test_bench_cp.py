@@ -1,6 +1,6 @@
 """The context-parallel benchmark's CPU parts: its `auto` row, its refusal to run outside torchrun
-(the timing itself needs GPUs), and ``check`` on CPU gloo ranks, which prints each case as it
-finishes."""
+(the timing itself needs GPUs), and both checks on CPU gloo ranks: the dense one prints each case
+as it finishes, the packed documents' one passes."""
 import io
 import os
 from contextlib import redirect_stdout
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from attn_compile.cp import bench
+from attn_compile.cp import bench, bench_documents
 from dist_harness import run_distributed
 
 
@@ -54,3 +54,17 @@ def _check_on_cpu(rank, world):
 
 def test_check_prints_each_case_as_it_finishes():
     run_distributed(_check_on_cpu, 2)
+
+
+def _documents_check_on_cpu(rank, world):
+    """The packed documents' check: every strategy, window and mask passes against the reference."""
+    bench_documents.DEVICE, bench_documents.CHECK_HEADS = "cpu", (4, 2, 16, 8)
+    printed = io.StringIO()
+    with redirect_stdout(printed):
+        assert bench_documents.check(bench._groups(world), total=300) == 0, printed.getvalue()
+    if rank == 0:  # 2 header lines, then 6 (window, mask) cases of 3 strategies
+        assert printed.getvalue().count("\n") == 2 + 18, printed.getvalue()
+
+
+def test_documents_check_passes():
+    run_distributed(_documents_check_on_cpu, 2)

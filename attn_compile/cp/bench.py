@@ -12,7 +12,8 @@ per-rank time estimate, and ranks that repeat a different number of times hang i
 collectives. Every rank reports the slowest rank's median. The local kernels are timed the same
 way, so every row is measured alike.
 
-``--check``: bf16 context-parallel output and gradients against float32 single-GPU results,
+``--check``: bf16 context-parallel output and gradients against the float32 reference on one GPU
+(``kernels/reference.py``: plain matmuls, so the oracle shares no kernel with what it checks),
 relative error (norm of error / norm of reference) at most 2.5e-2, then the packed documents'
 check of bench_documents.py (only that one with ``--documents``).
 
@@ -31,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from attn_compile.kernels import attention_backward, attention_forward
+from attn_compile.kernels import attention_backward, attention_forward, reference
 
 from .api import choose_strategy, context_parallel_attention
 from .comm import all_gather_stacked, all_to_all_stacked, pass_round, process_groups
@@ -175,10 +176,10 @@ def _rel_err(got, want) -> float:
 
 
 def check(seq: int, groups) -> int:
-    """bf16 context parallel against float32 on one GPU, causal and with a causal window of
+    """bf16 context parallel against the float32 reference, causal and with a causal window of
     seq/8; returns the number of failed cases."""
     world = dist.get_world_size()
-    say(f"check: bf16 context parallel vs float32 single GPU, {seq} tokens, causal; relative error "
+    say(f"check: bf16 context parallel vs the float32 reference, {seq} tokens, causal; relative error "
         f"(tolerance {CHECK_TOLERANCE})",
         f"  {'config':16s} {'strategy':10s} {'window':>12s} {'out':>9s} {'dq':>9s} {'dk':>9s} {'dv':>9s}")
     failures = 0
@@ -187,8 +188,8 @@ def check(seq: int, groups) -> int:
         q, k, v = _inputs(h_q, h_kv, d_qk, d_v, seq, dtype=torch.float32, requires_grad=False)
         dout = torch.randn(1, h_q, seq, d_v, device=DEVICE)
         masking = dict(scale=d_qk ** -0.5, is_causal=True, window=window)
-        out, lse = attention_forward(q, k, v, **masking)
-        want = (out, *attention_backward(dout, q, k, v, out, lse, **masking))
+        out, lse = reference.attention_forward(q, k, v, **masking)
+        want = (out, *reference.attention_backward(dout, q, k, v, out, lse, **masking))
         for strategy, group in _runnable(groups, h_q, world):
             for layout in ("zigzag", "contiguous") if window != (-1, -1) else ("zigzag",):
                 local = [shard_sequence(x.bfloat16(), group, layout=layout).requires_grad_() for x in (q, k, v)]

@@ -2,14 +2,14 @@
 ``torchrun --nproc-per-node N -m attn_compile.bench cp``.
 
 ``check``: bf16 ``varlen_attention`` under every strategy (the hybrid on a (N/2, 2) mesh from 4
-GPUs on) against float32 on one GPU (the local op on the whole batch), for windows (1024, 0),
+GPUs on) against the float32 reference on one GPU, document by document, for windows (1024, 0),
 (1024, 1024) and (-1, -1), causal and full, GQA + MLA heads, on mixed document lengths including
 1 and ones shorter than 2·cp.
 
 ``benchmark``: 128K tokens of mixed document lengths, causal GQA 32/8 d128, per-GPU TFLOP/s of
-every strategy (the hybrid as in ``check``) with a window of 4096 (flash-attn's left window), beside the same without a window,
-the same with every document padded to a multiple of 2·cp (what TransformerEngine requires), and
-the single-GPU op on the whole batch. FLOPs count only the visible (query, key) pairs.
+every strategy (the hybrid as in ``check``) with a window of 4096 (flash-attn's left window),
+beside the same without a window, the same with every document padded to a multiple of 2·cp
+(what TransformerEngine requires), and the single-GPU op on the whole batch. FLOPs count only the visible (query, key) pairs.
 """
 import itertools
 import random
@@ -17,6 +17,7 @@ import random
 import torch
 import torch.distributed as dist
 
+from attn_compile.kernels import reference
 from attn_compile.varlen import varlen_attention
 
 from .bench import CHECK_TOLERANCE, DEVICE, _collective_median_ms, _fwd_and_bwd, _rel_err, _runnable, say
@@ -53,22 +54,25 @@ def _inputs(total, heads, dtype, requires_grad=False):
             for h, d in ((h_q, d_qk), (h_kv, d_qk), (h_kv, d_v))]
 
 
-def check(groups) -> int:
-    """Every strategy of ``groups`` (``bench._groups``); returns the number of failed cases."""
+def check(groups, total: int = 16384) -> int:
+    """Every strategy of ``groups`` (``bench._groups``) on ``total`` tokens; returns the number of
+    failed cases."""
     world = dist.get_world_size()
-    lengths = mixed_lengths(16384, seed=0, shortest=64, longest=4096, tiny=(1, 2 * world - 1, 1))
+    lengths = mixed_lengths(total, seed=0, shortest=64, longest=4096, tiny=(1, 2 * world - 1, 1))
     cu, longest = _cu(lengths), max(lengths)
-    say(f"check: bf16 varlen_attention under CP vs float32 on one GPU, {len(lengths)} documents, "
+    say(f"check: bf16 varlen_attention under CP vs the float32 reference, {len(lengths)} documents, "
         f"{sum(lengths)} tokens; relative error (tolerance {CHECK_TOLERANCE})",
         f"  {'strategy':10s} {'window':>12s} {'causal':>6s} {'out':>9s} {'dq':>9s} {'dk':>9s} {'dv':>9s}")
     failures = 0
     for window, is_causal in itertools.product(((1024, 0), (1024, 1024), (-1, -1)), (True, False)):
         torch.manual_seed(0)  # the same global inputs on every rank
-        q, k, v = _inputs(sum(lengths), CHECK_HEADS, torch.float32, requires_grad=True)
+        q, k, v = _inputs(sum(lengths), CHECK_HEADS, torch.float32)
         masking = dict(is_causal=is_causal, window=window)
-        out = varlen_attention(q, k, v, cu, cu, longest, longest, **masking)
+        documents = (cu, cu, longest, longest)
+        out, lse = reference.varlen_forward(q, k, v, *documents, scale=CHECK_HEADS[2] ** -0.5, **masking)
         dout = torch.randn_like(out)
-        want = (out, *torch.autograd.grad(out, (q, k, v), dout))
+        want = (out, *reference.varlen_backward(dout, q, k, v, out, lse, *documents, scale=CHECK_HEADS[2] ** -0.5,
+                                                **masking))
         for strategy, group in _runnable(groups, CHECK_HEADS[0], world):
             local = [shard_varlen(x.detach().bfloat16(), cu, group)[0].requires_grad_() for x in (q, k, v)]
             out_local = varlen_attention(*local, cu, cu, longest, longest, group=group, strategy=strategy, **masking)
