@@ -84,6 +84,10 @@ def shape_walks(args, rows):
 
 
 _PICKS = {}  # (autotuned kernel, its autotuning key) -> the configuration it picked
+# Calls no longer than this (``seq_bucket``) run the first candidate that compiles, untimed. Each
+# candidate compiles for every new key, and context-parallel tiles of short documents bring many
+# keys: the first case of one `bench cp --documents --check` run on 2 H200s timed 169 candidates.
+UNTUNED_BUCKET = 1024
 _LOGGED = set()  # (kernel, configuration, error) rejections already logged
 log = logging.getLogger("attn_compile")
 
@@ -118,7 +122,8 @@ def tune(kernel, grid, args, kwargs):
     autotuner rejects only OutOfResources, CompileTimeAssertionFailure and PTXASError, and on an
     H100 an MLIR pass failing on one configuration ("Pipeline failed while executing
     LLVMDIScope") ended the call. The survivors are timed by Triton's autotuner; an error while
-    they run is raised as it is. Raises a RuntimeError naming the first failure when every
+    they run is raised as it is. A call of ``UNTUNED_BUCKET`` keys or fewer takes the first
+    candidate that compiles, untimed. Raises a RuntimeError naming the first failure when every
     candidate is rejected."""
     meta = {**kwargs, "grid": grid, "warmup": False}
     kernel.nargs = dict(zip(kernel.arg_names, args))  # what the autotuner's pruning and timing read
@@ -132,6 +137,8 @@ def tune(kernel, grid, args, kwargs):
                 failures.append(f"{config}: {type(error).__name__}: {_first_line(error)}")
             else:
                 compiled.append(config)
+                if kwargs["seq_bucket"] <= UNTUNED_BUCKET:
+                    break
         if len(compiled) > 1:
             timings = {config: kernel._bench(*args, config=config, **meta) for config in compiled}
             failures += [f"{config}: rejected by Triton's autotuner (out of resources)" for config in compiled

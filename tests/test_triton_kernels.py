@@ -489,17 +489,20 @@ def test_lengths_are_tuned_by_powers_of_two():
         assert {32, 64} <= {key[at] for key in _PICKS if key[0] is kernel}, kernel
 
 
-def _forward_with_configs(monkeypatch, configs, failing=(), at_launch=None):
-    """The forward kernel autotuned over ``configs`` (which differ in num_stages) for a new key:
-    ``failing`` ones fail to compile as an MLIR pass did on an H100, and ``at_launch`` (an
-    exception) is raised when a configuration runs. Returns the pick, after checking the result
-    against the oracle."""
+def _forward_with_configs(monkeypatch, configs, failing=(), at_launch=None, untuned_bucket=0, compiled=None):
+    """The forward kernel autotuned over ``configs`` (which differ in num_stages) for a new key of
+    24 keys (``UNTUNED_BUCKET`` set to ``untuned_bucket``): ``failing`` ones fail to compile as an
+    MLIR pass did on an H100, and ``at_launch`` (an exception) is raised when a configuration
+    runs. The stages of each configuration compiled go into the list ``compiled``. Returns the
+    pick, after checking the result against the oracle."""
     import attn_compile.kernels.triton_tiles as tiles
 
     run = _forward_kernel.fn.run
     failing_stages = {config.num_stages for config in failing}
 
     def running(*args, warmup, **kwargs):  # Triton compiles in run, for a warmup as for a launch
+        if warmup and compiled is not None:
+            compiled.append(kwargs["num_stages"])
         if kwargs["num_stages"] in failing_stages:
             raise RuntimeError("PassManager::run failed\nFailures have been detected while processing an MLIR pass "
                                "pipeline ... Pipeline failed while executing `LLVMDIScope`")
@@ -514,6 +517,7 @@ def _forward_with_configs(monkeypatch, configs, failing=(), at_launch=None):
         return [float(next(timed))] * len(quantiles)
 
     monkeypatch.setattr(tiles, "_PICKS", {})
+    monkeypatch.setattr(tiles, "UNTUNED_BUCKET", untuned_bucket)
     monkeypatch.setattr(_forward_kernel, "configs", configs)
     monkeypatch.setattr(_forward_kernel, "early_config_prune", None)
     monkeypatch.setattr(_forward_kernel.fn, "run", running)
@@ -557,6 +561,20 @@ def test_every_configuration_failing_to_compile_raises(monkeypatch):
                                            r"rejected for \{'BLOCK_DQK': 16, 'BLOCK_DV': 16, .*\}: .*RuntimeError: "
                                            r"PassManager::run failed; .*RuntimeError: PassManager::run failed$"):
         _forward_with_configs(monkeypatch, configs, failing=configs)
+
+
+def test_short_calls_take_the_first_configuration_that_compiles(monkeypatch):
+    """Up to UNTUNED_BUCKET keys the candidates after the first that compiles are neither compiled
+    nor timed; beyond it every candidate is compiled and the fastest wins."""
+    first, second = _two_configurations()
+    for failing, untuned_bucket, pick, stages in (([], 1024, first, [first.num_stages]),
+                                                  ([first], 1024, second, [first.num_stages, second.num_stages]),
+                                                  ([], 16, first, [first.num_stages, second.num_stages])):
+        compiled = []
+        with monkeypatch.context() as patch:
+            assert _forward_with_configs(patch, [first, second], failing=failing, untuned_bucket=untuned_bucket,
+                                         compiled=compiled) is pick
+        assert compiled == stages
 
 
 @pytest.mark.parametrize("candidates", [1, 2])
