@@ -5,7 +5,8 @@ The forward op also returns the gathered K and V. The backward reuses them, or, 
 ``recompute_kv``, gathers them again instead of keeping them alive between the passes (the op
 then returns empty tensors in their place). Their shape depends on the group size, so the op
 takes it as an argument (``comm.sized_group``). Packed documents always gather again: their
-gathered size is in cu_seqlens's values. Only the key chunks a query chunk can see are
+gathered size is in cu_seqlens's values. They travel as token-major rows, which one row gather
+puts in batch order (and one row scatter takes back for the gradients). Only the key chunks a query chunk can see are
 computed, so a sliding window costs its visible band; the whole of K and V is still gathered.
 """
 from typing import Optional
@@ -13,8 +14,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from attn_compile.kernels.documents import packed, unpacked
+
 from .checks import check_call, sharding_of
 from .comm import all_gather_stacked, reduce_scatter_stacked, resolve, sized_group
+from .documents import ChunkSharding
 from .failures import failing_together
 from .merge import MergedResult
 from .registration import fake_grads, fake_result
@@ -22,7 +26,20 @@ from .tiles import attend_tiles, attend_tiles_backward, plan_calls
 
 
 def _gather_sequence(x, group, sharding):
-    return sharding.join(all_gather_stacked(sharding.pad(x, 2), (group,)), dim=2)
+    if isinstance(sharding, ChunkSharding):  # packed documents: token-major rows, one row gather
+        rows = packed(x)
+        shard = rows.new_empty((sharding.shard_len, *rows.shape[1:]))
+        shard[:rows.shape[0]] = rows  # the padding rows are never read
+        return unpacked(sharding.gather_rows(all_gather_stacked(shard, (group,))), 1)
+    return sharding.join(all_gather_stacked(x, (group,)), dim=2)
+
+
+def _reduce_scatter_sequence(grad, group, sharding):
+    """_gather_sequence's gradient: this rank's rows of the sum over ranks, in grad's dtype."""
+    if isinstance(sharding, ChunkSharding):
+        summed = reduce_scatter_stacked(sharding.scatter_rows(packed(grad)), group)
+        return unpacked(summed[:sharding.local_len(group.rank())], 1)
+    return reduce_scatter_stacked(sharding.split(grad, dim=2), group)
 
 
 def _calls(group, sharding, is_causal, window):
@@ -41,11 +58,10 @@ def allgather_backward(dout, q, k, v, out, lse, k_all, v_all, group, scale, is_c
     if k_all is None:
         k_all, v_all = _gather_sequence(k, group, sharding), _gather_sequence(v, group, sharding)
     dq = q.new_zeros(q.shape, dtype=lse.dtype)
-    dk_all, dv_all = k_all.new_zeros(k_all.shape, dtype=lse.dtype), v_all.new_zeros(v_all.shape, dtype=lse.dtype)
+    dk_all, dv_all = torch.zeros_like(k_all, dtype=lse.dtype), torch.zeros_like(v_all, dtype=lse.dtype)
     attend_tiles_backward(dout, q, k_all, v_all, out, lse, _calls(group, sharding, is_causal, window), scale, dq,
                           dk_all, dv_all)
-    dk, dv = (reduce_scatter_stacked(sharding.split(g, dim=2), group)[:, :, :k.shape[2]]
-              .to(k.dtype).contiguous() for g in (dk_all, dv_all))
+    dk, dv = (_reduce_scatter_sequence(g, group, sharding).to(k.dtype).contiguous() for g in (dk_all, dv_all))
     return dq.to(q.dtype), dk, dv
 
 
