@@ -40,16 +40,18 @@ def _opcheck_all(rank, world):
             gathered = (None, None) if recompute_kv else (k_all, v_all)
             torch.library.opcheck(ops.allgather_attention_backward.default,
                                   (torch.randn_like(out), *_detached(q, k, v, out), lse, *gathered, *config))
-    # packed documents (lengths 3, 1, 7, with a window): the hybrid keeps no head shards, and its
-    # backward takes the sequence shards and k's head count
+    # packed documents (lengths 3, 1, 7, with a window): Ulysses and the hybrid keep their head
+    # shards in buffers of a bound the shards' shape gives, and hand them to the backward
     cu_seqlens = torch.tensor([0, 3, 4, 11], dtype=torch.int32)
     q, k, v = (shard_varlen(torch.randn(11, h, d), cu_seqlens, mesh)[0].transpose(0, 1)[None].requires_grad_()
                for h, d in ((4, 24), (2, 24), (2, 16)))
-    config = (*hybrid_names, world, SCALE, True, "zigzag", 2, 0, cu_seqlens, 7)
-    torch.library.opcheck(ops.hybrid_attention.default, (q, k, v, *config))
-    out, lse, *_ = ops.hybrid_attention(q, k, v, *config)
-    torch.library.opcheck(ops.hybrid_attention_backward.default,
-                          (torch.randn_like(out), *_detached(q, k, v, out), lse, k.shape[1], *config))
+    for op, backward, names in ((ops.ulysses_attention, ops.ulysses_attention_backward, (name, world)),
+                                (ops.hybrid_attention, ops.hybrid_attention_backward, (*hybrid_names, world))):
+        config = (*names, SCALE, True, "zigzag", 2, 0, cu_seqlens, 7)
+        torch.library.opcheck(op.default, (q, k, v, *config))
+        out, lse, *heads = op(q, k, v, *config)
+        assert heads[0].shape[2] >= 11  # the whole batch's rows, and the bound's zeros after them
+        torch.library.opcheck(backward.default, (torch.randn_like(out), *_detached(*heads), k.shape[1], *config))
     for layout in ("zigzag", "contiguous"):
         shard = [rank, 3 - rank] if layout == "zigzag" else [2 * rank, 2 * rank + 1]
         positions = torch.arange(16)[None].expand(2, -1) + torch.tensor([[0], [5]])

@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from attn_compile import shard_varlen, unshard_varlen
 from attn_compile.cp.documents import DocumentSharding, chunk_bounds, host_values, hybrid_shardings
 from attn_compile.cp.tiles import plan_tiles
+from attn_compile.cp.ulysses import head_rows_bound
 from attn_compile.kernels.visibility import effective_window, visible
 from dist_harness import run_distributed
 from tile_coverage import covered
@@ -90,6 +91,23 @@ def test_document_sharding(cp, layout):
         for tokens, shard in zip(held, shards):
             assert torch.equal(shard[:len(tokens)], rows[tokens])
         assert torch.equal(sharding.gather_rows(shards), rows)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_head_shards_fit_the_bound_each_rank_computes_alone(layout):
+    """Ulysses and the hybrid keep packed documents' head shards in buffers of head_rows_bound
+    rows, which a rank computes from its own token count: every group's whole batch fits, on every
+    rank, however uneven the documents."""
+    for cp, inner, seed in itertools.product((2, 3, 4, 8), (1, 2, 4), range(6)):
+        if cp % inner:
+            continue
+        lengths = _random_lengths(cp, seed) + [1] * seed
+        sharding = DocumentSharding(_cu(lengths), cp, layout)
+        for outer_rank in range(cp // inner):
+            joined, _ = hybrid_shardings(sharding, inner, outer_rank) if inner < cp else (sharding, None)
+            for rank in range(inner):
+                bound = head_rows_bound(joined.local_len(rank), len(lengths), inner, layout)
+                assert joined.total <= bound, (cp, inner, seed, rank)
 
 
 def test_host_values_read_once_per_version(monkeypatch):

@@ -9,7 +9,8 @@ GPUs on) against the float32 reference on one GPU, document by document, for win
 ``benchmark``: 128K tokens of mixed document lengths, causal GQA 32/8 d128, per-GPU TFLOP/s of
 every strategy (the hybrid as in ``check``) with a window of 4096 (flash-attn's left window),
 beside the same without a window, the same with every document padded to a multiple of 2·cp
-(what TransformerEngine requires), and the single-GPU op on the whole batch. FLOPs count only the visible (query, key) pairs.
+(what TransformerEngine requires), and the single-GPU op on the whole batch. FLOPs count only
+the visible (query, key) pairs.
 """
 import itertools
 import random

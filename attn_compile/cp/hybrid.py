@@ -4,8 +4,8 @@ With the context-parallel rank ``outer_rank * inner_size + inner_rank``, the inn
 shards, joined by the Ulysses exchange, are exactly the outer rank's shard of the same layout
 over ``outer_size`` ranks: the ring runs on them unchanged. Packed documents' chunks are uneven,
 so there the joined buffers and the ring over them are described chunk by chunk
-(``documents.hybrid_shardings``), and the backward exchanges q, k, v, out and the LSE again, as
-Ulysses does for them.
+(``documents.hybrid_shardings``), and the op keeps their head shards as Ulysses does
+(``ulysses.kept_head_shards``).
 """
 from typing import Optional
 
@@ -19,7 +19,7 @@ from .failures import failing_together
 from .layout import SequenceSharding
 from .registration import fake_result, register_head_exchange
 from .ring import ring_backward, ring_forward
-from .ulysses import exchange_backward, exchange_forward, fake_head_shards, kept_head_shards, saved_head_shards
+from .ulysses import attended_rows, exchange_backward, exchange_forward, fake_head_shards, kept_head_shards, packed_rows
 
 
 def _shardings(sharding, outer, inner):
@@ -39,8 +39,8 @@ def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, outer_group_name: str, inn
                      inner_group_size: int, scale: float, is_causal: bool, layout: str, window_left: int = -1,
                      window_right: int = -1, cu_seqlens: Optional[Tensor] = None, max_seqlen: int = 0
                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(out, lse, q_h, k_h, v_h, out_h, lse_h): the inner group's head shards, for the backward;
-    empty for packed documents."""
+    """(out, lse, q_h, k_h, v_h, out_h, lse_h): the inner group's head shards, for the backward
+    (``ulysses.kept_head_shards``)."""
     outer, inner = groups = _groups(outer_group_name, inner_group_name, inner_group_size)
     window = (window_left, window_right)
     sharding = check_call(q, k, v, groups, strategy="hybrid", scale=scale, is_causal=is_causal, layout=layout,
@@ -50,13 +50,14 @@ def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, outer_group_name: str, inn
         out, lse, *heads = exchange_forward(q, k, v, inner, inner_sharding,
                                             lambda *qkv: ring_forward(*qkv, outer, scale, is_causal, window,
                                                                       ring_sharding))
-    return out, lse, *kept_head_shards(heads, cu_seqlens is not None)
+    return out, lse, *kept_head_shards(heads, packed_rows(q, cu_seqlens, inner_group_size, layout))
 
 
 @hybrid_attention.register_fake
 def _(q, k, v, outer_group_name, inner_group_name, inner_group_size, scale, is_causal, layout, window_left=-1,
       window_right=-1, cu_seqlens=None, max_seqlen=0):
-    return (*fake_result(q, v), *fake_head_shards(q, k, v, inner_group_size, packed=cu_seqlens is not None))
+    return (*fake_result(q, v), *fake_head_shards(q, k, v, inner_group_size,
+                                                  packed_rows(q, cu_seqlens, inner_group_size, layout)))
 
 
 @torch.library.custom_op("attn_cp::hybrid_attention_backward", mutates_args=())
@@ -65,13 +66,13 @@ def hybrid_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out
                               is_causal: bool, layout: str, window_left: int = -1, window_right: int = -1,
                               cu_seqlens: Optional[Tensor] = None, max_seqlen: int = 0
                               ) -> tuple[Tensor, Tensor, Tensor]:
-    """q, k, v, out and lse are the forward's head shards; for packed documents, the sequence shards."""
+    """q, k, v, out and lse are the head shards the forward op returned."""
     outer, inner = groups = _groups(outer_group_name, inner_group_name, inner_group_size)
     window = (window_left, window_right)
     with failing_together("attn_cp::hybrid_attention_backward"):
         # for the forward's head shards dout is the one sequence shard at hand
         inner_sharding, ring_sharding = _shardings(sharding_of(dout, groups, layout, cu_seqlens), outer, inner)
-        heads = saved_head_shards(q, k, v, out, lse, inner, inner_sharding, cu_seqlens is not None)
+        heads = attended_rows((q, k, v, out, lse), inner_sharding)
         return exchange_backward(dout, heads, kv_heads, inner, inner_sharding,
                                  lambda *args: ring_backward(*args, outer, scale, is_causal, window, ring_sharding))
 

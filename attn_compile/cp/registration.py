@@ -5,9 +5,9 @@ Every strategy is a pair of ops in the ``attn_cp`` namespace. Ring (``register_s
 *config) -> (dq, dk, dv)``. Ulysses and hybrid (``register_head_exchange``) exchange heads
 for sequence: their op returns (out, lse, q_h, k_h, v_h, out_h, lse_h), the head shards it
 attended, and their backward takes ``(dout, q_h, k_h, v_h, out_h, lse_h, h_kv, *config)``, so
-nothing is exchanged twice. Where the op cannot return the head shards (packed documents:
-their size is in cu_seqlens's values), it returns empty tensors and the backward gets q, k, v,
-out and lse instead. The LSE is returned for merging and inspection; it carries no gradient.
+nothing is exchanged twice (packed documents' head shards come in buffers of a bound their
+shape can name, ``ulysses.kept_head_shards``). The LSE is returned for merging and inspection; it
+carries no gradient.
 """
 import torch
 
@@ -49,7 +49,7 @@ def _register_autograd(op, backward_op) -> None:
         out, lse, *heads = output
         ctx.mark_non_differentiable(lse, *heads)
         ctx.tensor_slots = [i for i, item in enumerate(config) if isinstance(item, torch.Tensor)]  # cu_seqlens
-        saved = heads if heads and not ctx.tensor_slots else (q, k, v, out, lse)
+        saved = heads or (q, k, v, out, lse)
         ctx.save_for_backward(*saved, *(config[i] for i in ctx.tensor_slots))
         ctx.config = [None if i in ctx.tensor_slots else item for i, item in enumerate(config)]
         ctx.kv_heads = (k.shape[1],) if heads else ()

@@ -11,8 +11,9 @@ The gradients of the r copies of a head are summed back.
 The forward op also returns the head shards of q, k, v, out and the LSE, and the backward
 reuses them: it exchanges only dout one way and dq, dk, dv back (4 all-to-alls, not 9). That
 keeps one head-sharded copy of out alive between the passes besides the caller's out. Packed
-documents are exchanged again instead (their head shards' size is in cu_seqlens's values), and
-the op returns empty tensors in their place.
+documents' head shards hold the whole batch, whose token count is in cu_seqlens's values, which
+an output shape cannot name: they come back token-major in buffers of ``head_rows_bound`` rows,
+a bound this rank's shape gives, their real rows first.
 
 ``exchange_forward`` and ``exchange_backward`` take the attention run on the head shards, so
 the hybrid strategy reuses them around a ring. Packed documents (uneven shards) are exchanged as
@@ -32,6 +33,7 @@ from .checks import check_call, sharding_of
 from .comm import all_to_all_stacked, sized_group
 from .failures import failing_together
 from .documents import ChunkSharding, DocumentSharding
+from .layout import chunks_per_rank
 from .registration import fake_result, register_head_exchange
 
 
@@ -110,17 +112,37 @@ def exchange_backward(dout, heads, kv_heads, group, sharding, attend_backward):
     return dq, dk.unflatten(1, (-1, repeats)).sum(2), dv.unflatten(1, (-1, repeats)).sum(2)
 
 
-def kept_head_shards(heads, packed: bool) -> list:
-    """What the forward op returns of its head shards: them, or empty tensors for packed documents."""
-    return [x.new_empty(0) for x in heads] if packed else list(heads)
+def head_rows_bound(local_len: int, documents: int, cp: int, layout: str) -> int:
+    """The most rows packed documents' head shards can hold on a group of ``cp`` ranks, from this
+    rank's ``local_len`` rows alone: another rank's part of a document is at most one row per
+    chunk longer than this rank's (chunks_per_rank)."""
+    return cp * (local_len + chunks_per_rank(layout) * documents)
 
 
-def saved_head_shards(q, k, v, out, lse, group, sharding, packed: bool) -> tuple:
-    """The head shards the forward attended, for the backward: as the op kept them, or for packed
-    documents exchanged again from the sequence shards it saved instead."""
-    if not packed:
-        return q, k, v, out, lse
-    return (*to_head_shards_of(q, k, v, group, sharding), *(to_head_shards(x, group, sharding) for x in (out, lse)))
+def _token_major(like, shape, dtype):
+    """An empty (1, H, rows, ...) tensor laid out as (rows, H, ...), packed documents' layout."""
+    return unpacked(like.new_empty((shape[2], shape[1], *shape[3:]), dtype=dtype), 1)
+
+
+def kept_head_shards(heads, rows: int) -> list:
+    """What the forward op returns of its head shards: them, or for packed documents (``rows``,
+    ``head_rows_bound``) each copied into the first rows of a token-major buffer of ``rows`` rows."""
+    if not rows:
+        return list(heads)
+    kept = []
+    for x in heads:
+        buffer = _token_major(x, (*x.shape[:2], rows, *x.shape[3:]), x.dtype)
+        buffer[:, :, :x.shape[2]] = x
+        buffer[:, :, x.shape[2]:].zero_()  # never read, but an op's outputs are deterministic
+        kept.append(buffer)
+    return kept
+
+
+def attended_rows(heads, sharding) -> tuple:
+    """The head shards the forward attended, from what the op kept: packed documents' real rows."""
+    if not isinstance(sharding, ChunkSharding):
+        return tuple(heads)
+    return tuple(x.narrow(2, 0, sharding.total) for x in heads)
 
 
 def whole_sequence_attention(sharding, scale, is_causal, window):
@@ -149,7 +171,8 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group_name: str, group_si
                       is_causal: bool, layout: str, window_left: int = -1, window_right: int = -1,
                       cu_seqlens: Optional[Tensor] = None, max_seqlen: int = 0
                       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(out, lse, q_h, k_h, v_h, out_h, lse_h): the head shards are empty for packed documents."""
+    """(out, lse, q_h, k_h, v_h, out_h, lse_h): the output and LSE, then the head shards attended
+    (``kept_head_shards``)."""
     (group,) = groups = (sized_group(group_name, group_size),)
     window = (window_left, window_right)
     sharding = check_call(q, k, v, groups, strategy="ulysses", scale=scale, is_causal=is_causal, layout=layout,
@@ -157,20 +180,27 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group_name: str, group_si
     forward, _ = whole_sequence_attention(sharding, scale, is_causal, window)
     with failing_together("attn_cp::ulysses_attention"):
         out, lse, *heads = exchange_forward(q, k, v, group, sharding, forward)
-    return out, lse, *kept_head_shards(heads, cu_seqlens is not None)
+    return out, lse, *kept_head_shards(heads, packed_rows(q, cu_seqlens, group_size, layout))
 
 
 @ulysses_attention.register_fake
 def _(q, k, v, group_name, group_size, scale, is_causal, layout, window_left=-1, window_right=-1, cu_seqlens=None,
       max_seqlen=0):
-    return (*fake_result(q, v), *fake_head_shards(q, k, v, group_size, packed=cu_seqlens is not None))
+    return (*fake_result(q, v), *fake_head_shards(q, k, v, group_size, packed_rows(q, cu_seqlens, group_size, layout)))
 
 
-def fake_head_shards(q, k, v, cp: int, packed: bool = False) -> list[Tensor]:
-    """What ``exchange_forward`` keeps for the backward, or empty tensors for packed documents."""
-    shapes = [(0,)] * 5 if packed else head_shard_shapes(q, k, v, cp)
+def packed_rows(q, cu_seqlens, cp: int, layout: str) -> int:
+    """``head_rows_bound`` for packed documents (``cu_seqlens``), else 0."""
+    return 0 if cu_seqlens is None else head_rows_bound(q.shape[2], cu_seqlens.shape[0] - 1, cp, layout)
+
+
+def fake_head_shards(q, k, v, cp: int, rows: int = 0) -> list[Tensor]:
+    """What ``exchange_forward`` keeps for the backward, as ``kept_head_shards`` returns it."""
+    shapes = head_shard_shapes(q, k, v, cp)
     dtypes = (q.dtype, k.dtype, v.dtype, q.dtype, lse_dtype(q.dtype))
-    return [q.new_empty(shape, dtype=dtype) for shape, dtype in zip(shapes, dtypes)]
+    if not rows:
+        return [q.new_empty(shape, dtype=dtype) for shape, dtype in zip(shapes, dtypes)]
+    return [_token_major(q, (*shape[:2], rows, *shape[3:]), dtype) for shape, dtype in zip(shapes, dtypes)]
 
 
 @torch.library.custom_op("attn_cp::ulysses_attention_backward", mutates_args=())
@@ -179,12 +209,12 @@ def ulysses_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, ou
                                layout: str, window_left: int = -1, window_right: int = -1,
                                cu_seqlens: Optional[Tensor] = None, max_seqlen: int = 0
                                ) -> tuple[Tensor, Tensor, Tensor]:
-    """q, k, v, out and lse are the forward's head shards; for packed documents, the sequence shards."""
+    """q, k, v, out and lse are the head shards the forward op returned."""
     (group,) = groups = (sized_group(group_name, group_size),)
     with failing_together("attn_cp::ulysses_attention_backward"):
         sharding = sharding_of(dout, groups, layout, cu_seqlens)
         _, backward = whole_sequence_attention(sharding, scale, is_causal, (window_left, window_right))
-        heads = saved_head_shards(q, k, v, out, lse, group, sharding, cu_seqlens is not None)
+        heads = attended_rows((q, k, v, out, lse), sharding)
         return exchange_backward(dout, heads, kv_heads, group, sharding, backward)
 
 
