@@ -6,8 +6,9 @@ The forward op also returns the gathered K and V. The backward reuses them, or, 
 then returns empty tensors in their place). Their shape depends on the group size, so the op
 takes it as an argument (``comm.sized_group``). Packed documents always gather again: their
 gathered size is in cu_seqlens's values. They travel as token-major rows, which one row gather
-puts in batch order (and one row scatter takes back for the gradients). Only the key chunks a query chunk can see are
-computed, so a sliding window costs its visible band; the whole of K and V is still gathered.
+puts in batch order (and one row scatter takes back for the gradients). Only the key chunks a
+query chunk can see are computed, so a sliding window costs its visible band; the whole of K and
+V is still gathered.
 """
 from typing import Optional
 
