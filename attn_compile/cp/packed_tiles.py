@@ -98,15 +98,15 @@ class PackedTiles:
     def _longest(self) -> tuple[int, int]:
         return max(self._host_segments[0]), max(self._host_segments[1])
 
-    def _call_args(self, device) -> tuple:
-        segments = self._segments(device)
+    def _call_args(self, segments: _Segments) -> tuple:
         return segments.cu_seqlens_q, segments.cu_seqlens_k, *self._longest
 
     def forward(self, q, k, v, scale):
         """(out (1, h_q, span, d_v), lse (1, h_q, span)) over the query span."""
-        out, lse = varlen_forward(*self._operands((q,), (k, v)), *self._call_args(q.device), scale=scale,
+        segments = self._segments(q.device)
+        out, lse = varlen_forward(*self._operands((q,), (k, v)), *self._call_args(segments), scale=scale,
                                   aligned=True, **self.masking)
-        fillers = self._segments(q.device).q_fillers
+        fillers = segments.q_fillers
         if fillers is not None:  # filling the filler rows alone, not masking the whole span
             out.index_fill_(0, fillers, 0.0)
             lse.index_fill_(0, fillers, float("-inf"))
@@ -114,10 +114,10 @@ class PackedTiles:
 
     def backward(self, dout, q, k, v, out, lse, scale):
         """(dq over the query span, dk and dv over the key span), each (1, H, span, D)."""
-        dout, q, k, v, out, lse = self._operands((dout, q), (k, v), (out, lse))
-        grads = varlen_backward(dout, q, k, v, out, lse, *self._call_args(q.device), scale=scale, aligned=True,
-                                **self.masking)
         segments = self._segments(q.device)
+        dout, q, k, v, out, lse = self._operands((dout, q), (k, v), (out, lse))
+        grads = varlen_backward(dout, q, k, v, out, lse, *self._call_args(segments), scale=scale, aligned=True,
+                                **self.masking)
         for grad, fillers in zip(grads, (segments.q_fillers, segments.k_fillers, segments.k_fillers)):
             if fillers is not None:
                 grad.index_fill_(0, fillers, 0.0)
