@@ -28,10 +28,7 @@ from .tiles import attend_tiles, attend_tiles_backward, plan_calls
 
 def _gather_sequence(x, group, sharding):
     if isinstance(sharding, ChunkSharding):  # packed documents: token-major rows, one row gather
-        rows = packed(x)
-        shard = rows.new_empty((sharding.shard_len, *rows.shape[1:]))
-        shard[:rows.shape[0]] = rows  # the padding rows are never read
-        return unpacked(sharding.gather_rows(all_gather_stacked(shard, (group,))), 1)
+        return unpacked(sharding.gather_rows(all_gather_stacked(sharding.pad(packed(x), 0), (group,))), 1)
     return sharding.join(all_gather_stacked(x, (group,)), dim=2)
 
 
