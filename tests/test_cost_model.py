@@ -37,6 +37,22 @@ def test_two_dimensional_mesh_means_hybrid():
     assert table["ring"] == "ring needs a 1-D mesh"
 
 
+@pytest.mark.parametrize("cp, window", [(2, (4096, 0)), (2, (-1, -1)), (4, (4096, 0)), (4, (-1, -1))])
+def test_packed_documents_take_ulysses_where_it_runs(cp, window):
+    """The shapes of `bench cp --documents` (17 documents, the longest 22,360 tokens): the model
+    alone picks the all-gather on 2 GPUs, which ran at half Ulysses' speed there."""
+    docs = _problem(batch=17, s_local=-(-22360 // cp), window=window, mesh_shape=(cp,))
+    assert choose(docs)[0] == ("allgather" if cp == 2 else "ulysses")
+    assert choose(dataclasses.replace(docs, documents=True))[0] == "ulysses"
+
+
+def test_packed_documents_follow_the_model_where_ulysses_cannot_run():
+    docs = _problem(batch=17, h_q=12, h_kv=2, s_local=4096, mesh_shape=(8,), documents=True)
+    assert choose(docs)[0] == choose(dataclasses.replace(docs, documents=False))[0] != "ulysses"
+    assert choose(dataclasses.replace(docs, mesh_shape=(2, 4), h_q=32))[0] == "hybrid"
+    assert choose(dataclasses.replace(docs, h_q=32, mesh_shape=(8,)), strategy="ring")[0] == "ring"
+
+
 def test_window_reduces_compute_and_favours_gathering():
     """Too little compute is left to hide the ring's transfers behind: gathering K and V (or the
     heads, Ulysses) once costs less."""

@@ -137,5 +137,5 @@ def choose_strategy(q, k, v, groups, *, is_causal: bool, window=(-1, -1), layout
                                            mesh_shape=[g.size() for g in groups])
     if cu_seqlens is not None:
         problem = dataclasses.replace(problem, batch=cost_model.traced_int(cu_seqlens.shape[0]) - 1,
-                                      s_local=max(1, -(-max_seqlen // problem.cp)))
+                                      s_local=max(1, -(-max_seqlen // problem.cp)), documents=True)
     return cost_model.choose(problem)[0]

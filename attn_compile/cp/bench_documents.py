@@ -7,10 +7,10 @@ GPUs on) against the float32 reference on one GPU, document by document, for win
 1 and ones shorter than 2·cp.
 
 ``benchmark``: 128K tokens of mixed document lengths, causal GQA 32/8 d128, per-GPU TFLOP/s of
-every strategy (the hybrid as in ``check``) with a window of 4096 (flash-attn's left window),
-beside the same without a window, the same with every document padded to a multiple of 2·cp
-(what TransformerEngine requires), and the single-GPU op on the whole batch. FLOPs count only
-the visible (query, key) pairs.
+every strategy (the hybrid as in ``check``) and of ``strategy="auto"`` (named by what it chose)
+with a window of 4096 (flash-attn's left window), beside the same without a window, the same
+with every document padded to a multiple of 2·cp (what TransformerEngine requires), and the
+single-GPU op on the whole batch. FLOPs count only the visible (query, key) pairs.
 """
 import itertools
 import random
@@ -21,7 +21,9 @@ import torch.distributed as dist
 from attn_compile.kernels import reference
 from attn_compile.varlen import varlen_attention
 
+from .api import choose_strategy
 from .bench import CHECK_TOLERANCE, DEVICE, _collective_median_ms, _fwd_and_bwd, _rel_err, _runnable, say
+from .comm import process_groups
 from .documents import shard_varlen, unshard_varlen
 
 HEADS = (32, 8, 128, 128)  # GQA 32/8 d128
@@ -110,6 +112,15 @@ def _cp_ms(lengths, window, strategy, group):
     return _collective_median_ms(fwd), _collective_median_ms(fwd_bwd)
 
 
+def _auto_name(lengths, window) -> str:
+    """The row name of ``strategy="auto"`` on these documents over the world: what it chose."""
+    h_q, h_kv, d_qk, d_v = HEADS
+    q, k, v = (torch.empty(1, h, 1, d, device="meta") for h, d in ((h_q, d_qk), (h_kv, d_qk), (h_kv, d_v)))
+    groups = process_groups(dist.group.WORLD)
+    return "auto -> " + choose_strategy(q, k, v, groups, is_causal=True, window=window, cu_seqlens=_cu(lengths),
+                                        max_seqlen=max(lengths))
+
+
 def benchmark(groups, total: int = 131072, window=(4096, 0)) -> None:
     """Every strategy of ``groups`` (``bench._groups``)."""
     world = dist.get_world_size()
@@ -123,11 +134,12 @@ def benchmark(groups, total: int = 131072, window=(4096, 0)) -> None:
     for case_window in (window, (-1, -1)):
         local = _tflops_per_gpu(lengths, case_window, _local_ms(lengths, case_window), 1)
         say(f"  {'local':17s} {str(case_window):>10s} {local[0]:7.0f} {local[1]:8.0f}")
-        for (strategy, group), pad in itertools.product(_runnable(groups, HEADS[0], world), (False, True)):
-            if pad and case_window != window:
+        strategies = [*_runnable(groups, HEADS[0], world), ("auto", dist.group.WORLD)]
+        for (strategy, group), pad in itertools.product(strategies, (False, True)):
+            if pad and (case_window != window or strategy == "auto"):
                 continue
             ms = _cp_ms(padded if pad else lengths, case_window, strategy, group)
             tflops = _tflops_per_gpu(lengths, case_window, ms, world)  # padding is overhead, not work
-            name = f"{strategy}{' padded' if pad else ''}"
+            name = f"{strategy}{' padded' if pad else ''}" if strategy != "auto" else _auto_name(lengths, case_window)
             say(f"  {name:17s} {str(case_window):>10s} {tflops[0]:7.0f} {tflops[1]:8.0f}   "
                 f"{tflops[0] / local[0]:5.2f} / {tflops[1] / local[1]:4.2f}   {ms[1]:10.2f}")
