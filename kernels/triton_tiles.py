@@ -88,6 +88,11 @@ _PICKS = {}  # (autotuned kernel, its autotuning key) -> the configuration it pi
 # candidate compiles for every new key, and context-parallel tiles of short documents bring many
 # keys: the first case of one `bench cp --documents --check` run on 2 H200s timed 153 candidates.
 UNTUNED_BUCKET = 1024
+# ATTN_COMPILE_AUTOTUNE=0 makes every call run its first candidate that compiles, untimed: a
+# correctness run (`bench cp --check` sets it) then compiles one candidate per key, not all of
+# them. A `bench cp --documents --check` on 4 H200s spent 160 s compiling candidates before its
+# first case.
+AUTOTUNE = "ATTN_COMPILE_AUTOTUNE"
 _LOGGED = set()  # (kernel, configuration, error) rejections already logged
 log = logging.getLogger("attn_compile")
 
@@ -122,10 +127,11 @@ def tune(kernel, grid, args, kwargs):
     autotuner rejects only OutOfResources, CompileTimeAssertionFailure and PTXASError, and on an
     H100 an MLIR pass failing on one configuration ("Pipeline failed while executing
     LLVMDIScope") ended the call. The survivors are timed by Triton's autotuner; an error while
-    they run is raised as it is. A call of ``UNTUNED_BUCKET`` keys or fewer takes the first
-    candidate that compiles, untimed. Raises a RuntimeError naming the first failure when every
+    they run is raised as it is. A call of ``UNTUNED_BUCKET`` keys or fewer, or any call while
+    ``ATTN_COMPILE_AUTOTUNE=0``, takes the first candidate that compiles, untimed. Raises a RuntimeError naming the first failure when every
     candidate is rejected."""
     meta = {**kwargs, "grid": grid, "warmup": False}
+    untuned = kwargs["seq_bucket"] <= UNTUNED_BUCKET or os.environ.get(AUTOTUNE) == "0"
     kernel.nargs = dict(zip(kernel.arg_names, args))  # what the autotuner's pruning and timing read
     try:
         compiled, failures = [], []
@@ -137,7 +143,7 @@ def tune(kernel, grid, args, kwargs):
                 failures.append(f"{config}: {type(error).__name__}: {_first_line(error)}")
             else:
                 compiled.append(config)
-                if kwargs["seq_bucket"] <= UNTUNED_BUCKET:
+                if untuned:
                     break
         if len(compiled) > 1:
             timings = {config: kernel._bench(*args, config=config, **meta) for config in compiled}

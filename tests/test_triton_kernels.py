@@ -577,6 +577,17 @@ def test_short_calls_take_the_first_configuration_that_compiles(monkeypatch):
         assert compiled == stages
 
 
+def test_autotuning_off_takes_the_first_configuration_that_compiles_at_any_length(monkeypatch):
+    """ATTN_COMPILE_AUTOTUNE=0: what a call of UNTUNED_BUCKET keys or fewer does, for every call."""
+    first, second = _two_configurations()
+    for setting, stages in (("0", [first.num_stages]), ("1", [first.num_stages, second.num_stages])):
+        compiled = []
+        with monkeypatch.context() as patch:
+            patch.setenv("ATTN_COMPILE_AUTOTUNE", setting)
+            assert _forward_with_configs(patch, [first, second], untuned_bucket=16, compiled=compiled) is first
+        assert compiled == stages
+
+
 @pytest.mark.parametrize("candidates", [1, 2])
 def test_an_error_when_a_configuration_runs_is_raised(monkeypatch, candidates):
     """Only compile failures reject a configuration: an error at launch, the one configuration's

@@ -15,7 +15,8 @@ way, so every row is measured alike.
 ``--check``: bf16 context-parallel output and gradients against the float32 reference on one GPU
 (``kernels/reference.py``: plain matmuls, so the oracle shares no kernel with what it checks),
 relative error (norm of error / norm of reference) at most 2.5e-2, then the packed documents'
-check of bench_documents.py (only that one with ``--documents``).
+check of bench_documents.py (only that one with ``--documents``). It runs with Triton's
+autotuning off (``ATTN_COMPILE_AUTOTUNE=0``, kernels/triton_tiles.py).
 
 ``--documents``: packed documents (THD) with a sliding window instead; see bench_documents.py.
 
@@ -239,6 +240,8 @@ def main(argv=None) -> int:
 
         groups = _groups(dist.get_world_size())
         if args.check:  # packed documents are checked with or without --documents
+            from attn_compile.kernels.triton_tiles import AUTOTUNE
+            os.environ[AUTOTUNE] = "0"  # a check times nothing: compile one Triton candidate per key, not all
             dense = 0 if args.documents else sum(check(seq, groups) for seq in (args.seq or [8192]))
             return int(dense + bench_documents.check(groups) > 0)
         if args.documents:

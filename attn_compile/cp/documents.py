@@ -105,10 +105,12 @@ class ChunkSharding:
         ranks, rows = self._slots
         return ranks * self.shard_len + rows
 
-    def gather_rows(self, shards: torch.Tensor) -> torch.Tensor:
+    def gather_rows(self, shards: torch.Tensor, out=None) -> torch.Tensor:
         """``join`` on dim 1 of token-major shards (cp, shard_len, ...): whole rows, one index_select,
-        where ``join`` of a head-major tensor gathers element by element."""
-        return shards.flatten(0, 1).index_select(0, self._to("_stacked_rows", shards.device)[0])
+        where ``join`` of a head-major tensor gathers element by element; into ``out`` (total, ...)
+        where given."""
+        rows = self._to("_stacked_rows", shards.device)[0]
+        return torch.index_select(shards.flatten(0, 1), 0, rows, **({} if out is None else {"out": out}))
 
     def scatter_rows(self, x: torch.Tensor) -> torch.Tensor:
         """``gather_rows`` undone: (total, ...) -> (cp, shard_len, ...). The padding rows are left

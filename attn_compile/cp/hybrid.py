@@ -19,7 +19,7 @@ from .failures import failing_together
 from .layout import SequenceSharding
 from .registration import fake_result, register_head_exchange
 from .ring import ring_backward, ring_forward
-from .ulysses import attended_rows, exchange_backward, exchange_forward, fake_head_shards, kept_head_shards, packed_rows
+from .ulysses import attended_rows, exchange_backward, exchange_forward, fake_head_shards, packed_rows
 
 
 def _shardings(sharding, outer, inner):
@@ -47,10 +47,9 @@ def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, outer_group_name: str, inn
                           window=window, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, head_split=inner.size())
     inner_sharding, ring_sharding = _shardings(sharding, outer, inner)
     with failing_together("attn_cp::hybrid_attention"):
-        out, lse, *heads = exchange_forward(q, k, v, inner, inner_sharding,
-                                            lambda *qkv: ring_forward(*qkv, outer, scale, is_causal, window,
-                                                                      ring_sharding))
-    return out, lse, *kept_head_shards(heads, packed_rows(q, cu_seqlens, inner_group_size, layout))
+        return exchange_forward(q, k, v, inner, inner_sharding,
+                                lambda *qkv: ring_forward(*qkv, outer, scale, is_causal, window, ring_sharding),
+                                packed_rows(q, cu_seqlens, inner_group_size, layout))
 
 
 @hybrid_attention.register_fake

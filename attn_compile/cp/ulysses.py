@@ -41,12 +41,13 @@ def kv_head_repeats(h_kv: int, cp: int) -> int:
     return cp // math.gcd(h_kv, cp)
 
 
-def to_head_shards(x, group, sharding):
+def to_head_shards(x, group, sharding, rows: int = 0):
     """(B, H, S_local, ...) sequence shard -> (B, H/cp, S, ...): this rank's heads, whole sequence
-    in position order (for the hybrid, the inner group's part of it)."""
+    in position order (for the hybrid, the inner group's part of it). Packed documents' come in
+    a buffer of ``rows`` rows where given (``head_rows_bound``), their real rows first."""
     cp = group.size()
     if isinstance(sharding, ChunkSharding):
-        return _rows_to_head_shards(x, group, sharding)
+        return _rows_to_head_shards(x, group, sharding, rows)
     received = all_to_all_stacked(x.unflatten(1, (cp, -1)).movedim(1, 0), group)
     return sharding.join(received, dim=2)
 
@@ -60,14 +61,21 @@ def to_sequence_shards(x, group, sharding):
     return received.movedim(0, 1).flatten(1, 2).contiguous()
 
 
-def _rows_to_head_shards(x, group, sharding):
+def _rows_to_head_shards(x, group, sharding, rows: int):
     """to_head_shards of packed documents (one batch entry, uneven shards): token-major rows go
-    out, padded to the longest shard, and come back in batch order by one row gather. The result
-    is token-major, the varlen kernels' layout."""
+    out, padded to the longest shard, and come back in batch order by one row gather, into the
+    first rows of a zero-tailed buffer of ``rows`` rows where given. The result is token-major,
+    the varlen kernels' layout."""
     cp, tokens = group.size(), packed(x)  # (S_local, H, ...)
     shards = tokens.new_empty((cp, sharding.shard_len, tokens.shape[1] // cp, *tokens.shape[2:]))
     shards[:, :tokens.shape[0]] = tokens.unflatten(1, (cp, -1)).movedim(1, 0)  # the padding rows are never read
-    return unpacked(sharding.gather_rows(all_to_all_stacked(shards, group)), 1)
+    received = all_to_all_stacked(shards, group)
+    if not rows:
+        return unpacked(sharding.gather_rows(received), 1)
+    buffer = received.new_empty((rows, *received.shape[2:]))
+    sharding.gather_rows(received, out=buffer[:sharding.total])
+    buffer[sharding.total:].zero_()  # never read, but an op's outputs are deterministic
+    return unpacked(buffer, 1)
 
 
 def _rows_to_sequence_shards(x, group, sharding):
@@ -77,11 +85,11 @@ def _rows_to_sequence_shards(x, group, sharding):
     return mine.transpose(1, 2).flatten(0, 1).unsqueeze(0).contiguous()
 
 
-def to_head_shards_of(q, k, v, group, sharding):
+def to_head_shards_of(q, k, v, group, sharding, rows: int = 0):
     """The head shards of q, k and v, the KV heads repeated by ``kv_head_repeats``."""
     repeats = kv_head_repeats(k.shape[1], group.size())
     k, v = (x if repeats == 1 else x.repeat_interleave(repeats, 1) for x in (k, v))  # repeats of 1 would copy
-    return tuple(to_head_shards(x, group, sharding) for x in (q, k, v))
+    return tuple(to_head_shards(x, group, sharding, rows) for x in (q, k, v))
 
 
 def head_shard_shapes(q, k, v, cp: int) -> list[tuple]:
@@ -93,12 +101,14 @@ def head_shard_shapes(q, k, v, cp: int) -> list[tuple]:
             (batch, h_q // cp, seq * cp)]
 
 
-def exchange_forward(q, k, v, group, sharding, attend):
-    """(out, lse) sequence-sharded, then the head shards (q, k, v, out, lse) for the backward, from
-    ``attend(q, k, v) -> (out, lse)`` run on head shards."""
-    heads = to_head_shards_of(q, k, v, group, sharding)
-    out, lse = attend(*heads)
-    return (to_sequence_shards(out, group, sharding), to_sequence_shards(lse, group, sharding), *heads, out, lse)
+def exchange_forward(q, k, v, group, sharding, attend, rows: int = 0):
+    """(out, lse) sequence-sharded, then the head shards (q, k, v, out, lse) for the backward as
+    the op returns them (``rows``: ``kept_head_shards``), from ``attend(q, k, v) -> (out, lse)``
+    run on head shards."""
+    heads = to_head_shards_of(q, k, v, group, sharding, rows)
+    out, lse = attend(*attended_rows(heads, sharding))
+    return (to_sequence_shards(out, group, sharding), to_sequence_shards(lse, group, sharding), *heads,
+            *kept_head_shards((out, lse), rows))
 
 
 def exchange_backward(dout, heads, kv_heads, group, sharding, attend_backward):
@@ -126,7 +136,9 @@ def _token_major(like, shape, dtype):
 
 def kept_head_shards(heads, rows: int) -> list:
     """What the forward op returns of its head shards: them, or for packed documents (``rows``,
-    ``head_rows_bound``) each copied into the first rows of a token-major buffer of ``rows`` rows."""
+    ``head_rows_bound``) each in the first rows of a token-major buffer of ``rows`` rows. q, k and
+    v are gathered there (``to_head_shards``); out and the LSE, which the attention allocates,
+    are copied."""
     if not rows:
         return list(heads)
     kept = []
@@ -179,8 +191,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group_name: str, group_si
                           window=window, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, head_split=group_size)
     forward, _ = whole_sequence_attention(sharding, scale, is_causal, window)
     with failing_together("attn_cp::ulysses_attention"):
-        out, lse, *heads = exchange_forward(q, k, v, group, sharding, forward)
-    return out, lse, *kept_head_shards(heads, packed_rows(q, cu_seqlens, group_size, layout))
+        return exchange_forward(q, k, v, group, sharding, forward, packed_rows(q, cu_seqlens, group_size, layout))
 
 
 @ulysses_attention.register_fake
