@@ -110,7 +110,7 @@ class ChunkSharding:
         where ``join`` of a head-major tensor gathers element by element; into ``out`` (total, ...)
         where given."""
         rows = self._to("_stacked_rows", shards.device)[0]
-        return torch.index_select(shards.flatten(0, 1), 0, rows, **({} if out is None else {"out": out}))
+        return torch.index_select(shards.flatten(0, 1), 0, rows, out=out)
 
     def scatter_rows(self, x: torch.Tensor) -> torch.Tensor:
         """``gather_rows`` undone: (total, ...) -> (cp, shard_len, ...). The padding rows are left

@@ -43,8 +43,8 @@ def kv_head_repeats(h_kv: int, cp: int) -> int:
 
 def to_head_shards(x, group, sharding, rows: int = 0):
     """(B, H, S_local, ...) sequence shard -> (B, H/cp, S, ...): this rank's heads, whole sequence
-    in position order (for the hybrid, the inner group's part of it). Packed documents' come in
-    a buffer of ``rows`` rows where given (``head_rows_bound``), their real rows first."""
+    in position order (for the hybrid, the inner group's part of it). Packed documents' shards
+    come in a buffer of ``rows`` rows where given (``head_rows_bound``), their real rows first."""
     cp = group.size()
     if isinstance(sharding, ChunkSharding):
         return _rows_to_head_shards(x, group, sharding, rows)
