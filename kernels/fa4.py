@@ -28,6 +28,7 @@ Refusals found and kept out by ``supports``: float32, head dims over 256 or not 
 (each row would need its own alignment), and the backward of GQA with ``d_qk != d_v`` ("GQA
 backward requires head_dim == head_dim_v"), which goes to cuDNN.
 """
+import dataclasses
 import functools
 
 import torch
@@ -218,9 +219,11 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
 
 
 def supports_varlen(p: Problem) -> bool:
-    """Packed documents: their query and key positions must line up (one cu_seqlens tensor) for
-    any mask, FA4 aligning its masks bottom-right."""
-    return supports(p) and not p.offset
+    """Packed documents: their query and key positions must line up (one cu_seqlens tensor, or
+    segments the caller says are squares) for any mask, FA4 aligning its masks bottom-right. Each
+    segment then aligns on its own, so the mask is judged as on a square, whatever the lengths of
+    the buffers (a context-parallel step's packed call spans other query rows than key rows)."""
+    return not p.offset and supports(dataclasses.replace(p, s_k=p.s_q, k_shift=0))
 
 
 class FA4:

@@ -4,6 +4,7 @@ masks and positions map onto FA4's bottom-right aligned windows, and the key-pad
 points replaced by a stand-in that follows FA4's conventions over the float64 reference and records
 what it was handed. The real FA4 runs in tests/test_gpu_fa4.py."""
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -294,3 +295,56 @@ def test_context_parallel_tiles_go_to_fa4(standin, layout):
     assert {kind for kind, _ in causal.items()} >= {"unmasked", "causal square"}
     assert "masked at an offset" in windowed
     assert all(taken for taken, _ in (*causal.values(), *windowed.values())), (causal, windowed)
+
+
+def _packed_calls(cp, layout, window):
+    """Every packed call (``packed_tiles.PackedTiles``) of the ring's steps and the all-gather on
+    ``cp`` ranks, causal, over documents of mixed lengths."""
+    from attn_compile.cp.documents import DocumentSharding
+    from attn_compile.cp.packed_tiles import PackedTiles
+    from attn_compile.cp.tiles import plan_calls
+
+    sharding = DocumentSharding((0, *itertools.accumulate([37, 1, 5, 120, 64, 3, 90, 17, 200])), cp, layout)
+    for rank in range(cp):
+        for keys in [*(sharding.chunks(source) for source in range(cp)), sharding.whole_chunks()]:
+            yield from (c for c in plan_calls(sharding.chunks(rank), keys, True, window) if isinstance(c, PackedTiles))
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (24, 0)])
+def test_context_parallel_packed_calls_go_to_fa4(standin, window):
+    """A packed call's segments are squares on the diagonal (and fillers), each aligned on its own,
+    so FA4 takes every one, though the call's query and key spans differ in length either way."""
+    spans = set()
+    for cp, layout in itertools.product((2, 4), ("zigzag", "contiguous")):
+        for call in _packed_calls(cp, layout, window):
+            s_q, s_k = (rows.stop - rows.start for rows in (call.q_rows, call.k_rows))
+            spans.add((s_q > s_k) - (s_q < s_k))
+            assert fa4.supports_varlen(_on(_problem(s_q=s_q, s_k=s_k, **call.masking))), (call, s_q, s_k)
+    assert spans == {-1, 0, 1}
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (24, 0)])
+def test_context_parallel_packed_calls_on_fa4_match_the_reference(standin, monkeypatch, window):
+    """Through the stand-in (FA4's bottom-right alignment per segment), each packed call of 2 ranks
+    gives the reference's out, LSE and gradients, filler rows included."""
+    from attn_compile.cp import packed_tiles
+
+    torch.manual_seed(3)
+    q, k, v, dout = (torch.randn(1, h, 600, d, dtype=torch.float64) for h, d in ((4, 16), (2, 16), (2, 8), (4, 8)))
+    on_fa4 = {"varlen_forward": fa4.varlen_forward, "varlen_backward": fa4.varlen_backward}
+    calls = list(_packed_calls(2, "zigzag", window))
+    for call in calls:
+        results = []
+        for kernels in ({}, on_fa4):
+            with monkeypatch.context() as patch:
+                for name, kernel in kernels.items():
+                    patch.setattr(packed_tiles, name, lambda *args, aligned, _kernel=kernel, **kw: _kernel(*args, **kw))
+                out, lse = call.forward(q, k, v, 0.25)
+                span_out, span_lse = torch.zeros_like(dout), torch.full(q.shape[:3], float("-inf"), dtype=torch.float64)
+                span_out[:, :, call.q_rows], span_lse[:, :, call.q_rows] = out, lse
+                results.append((out, lse, *call.backward(dout, q, k, v, span_out, span_lse, 0.25)))
+        for got, want in zip(*reversed(results)):
+            seen = want.isfinite()  # the LSE of a filler row, which sees no key, is -inf on both
+            assert torch.equal(got.isfinite(), seen) and rel_err(got[seen], want[seen]) <= 1e-5, call
+    assert len(standin.calls) == 2 * len(calls)
+
