@@ -131,7 +131,7 @@ def tune(kernel, grid, args, kwargs):
     ``ATTN_COMPILE_AUTOTUNE=0``, takes the first candidate that compiles, untimed. Raises a RuntimeError naming the first failure when every
     candidate is rejected."""
     meta = {**kwargs, "grid": grid, "warmup": False}
-    untuned = kwargs["seq_bucket"] <= UNTUNED_BUCKET or os.environ.get(AUTOTUNE) == "0"
+    untuned = not autotuning() or kwargs["seq_bucket"] <= UNTUNED_BUCKET
     kernel.nargs = dict(zip(kernel.arg_names, args))  # what the autotuner's pruning and timing read
     try:
         compiled, failures = [], []
@@ -157,6 +157,16 @@ def tune(kernel, grid, args, kwargs):
         return compiled[0]
     finally:
         kernel.nargs = None
+
+
+def autotuning() -> bool:
+    """Whether ``ATTN_COMPILE_AUTOTUNE`` (read at each tuning, default 1) lets a call time its
+    candidates."""
+    value = os.environ.get(AUTOTUNE, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{AUTOTUNE} must be 0 (each Triton kernel runs its first candidate that compiles) or 1 "
+                         f"(the candidates are timed, the default); got {value!r}")
+    return value == "1"
 
 
 def compile_config(kernel, config, grid, args, kwargs) -> None:

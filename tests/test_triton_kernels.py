@@ -586,6 +586,10 @@ def test_autotuning_off_takes_the_first_configuration_that_compiles_at_any_lengt
             patch.setenv("ATTN_COMPILE_AUTOTUNE", setting)
             assert _forward_with_configs(patch, [first, second], untuned_bucket=16, compiled=compiled) is first
         assert compiled == stages
+    monkeypatch.setenv("ATTN_COMPILE_AUTOTUNE", "off")
+    with pytest.raises(ValueError, match=r"^ATTN_COMPILE_AUTOTUNE must be 0 \(each Triton kernel runs its first "
+                                         r"candidate that compiles\) or 1 \(.*\); got 'off'$"):
+        _forward_with_configs(monkeypatch, [first, second], untuned_bucket=16)
 
 
 @pytest.mark.parametrize("candidates", [1, 2])
