@@ -72,10 +72,9 @@ def _rows_to_head_shards(x, group, sharding, rows: int):
     received = all_to_all_stacked(shards, group)
     if not rows:
         return unpacked(sharding.gather_rows(received), 1)
-    buffer = received.new_empty((rows, *received.shape[2:]))
-    sharding.gather_rows(received, out=buffer[:sharding.total])
-    buffer[sharding.total:].zero_()  # never read, but an op's outputs are deterministic
-    return unpacked(buffer, 1)
+    buffer = _zero_tailed(received, (1, received.shape[2], rows, *received.shape[3:]), received.dtype, sharding.total)
+    sharding.gather_rows(received, out=packed(buffer).narrow(0, 0, sharding.total))
+    return buffer
 
 
 def _rows_to_sequence_shards(x, group, sharding):
@@ -134,6 +133,14 @@ def _token_major(like, shape, dtype):
     return unpacked(like.new_empty((shape[2], shape[1], *shape[3:]), dtype=dtype), 1)
 
 
+def _zero_tailed(like, shape, dtype, used: int):
+    """``_token_major`` with its rows from ``used`` on zeroed: never read, but an op's outputs are
+    deterministic."""
+    buffer = _token_major(like, shape, dtype)
+    buffer[:, :, used:].zero_()
+    return buffer
+
+
 def kept_head_shards(heads, rows: int) -> list:
     """What the forward op returns of its head shards: them, or for packed documents (``rows``,
     ``head_rows_bound``) each in the first rows of a token-major buffer of ``rows`` rows. q, k and
@@ -143,9 +150,8 @@ def kept_head_shards(heads, rows: int) -> list:
         return list(heads)
     kept = []
     for x in heads:
-        buffer = _token_major(x, (*x.shape[:2], rows, *x.shape[3:]), x.dtype)
+        buffer = _zero_tailed(x, (*x.shape[:2], rows, *x.shape[3:]), x.dtype, x.shape[2])
         buffer[:, :, :x.shape[2]] = x
-        buffer[:, :, x.shape[2]:].zero_()  # never read, but an op's outputs are deterministic
         kept.append(buffer)
     return kept
 
