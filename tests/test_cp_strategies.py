@@ -107,8 +107,8 @@ def test_strategies_match_oracle(world, compiled):
 def _count_exchanges(rank, world):
     from attn_compile.cp import ulysses
     calls = []
-    exchange = ulysses.all_to_all_stacked
-    ulysses.all_to_all_stacked = lambda x, group: calls.append(x.shape) or exchange(x, group)
+    exchange = ulysses.all_to_all_posted
+    ulysses.all_to_all_posted = lambda sends, group: exchange((calls.append(x.shape) or x for x in sends), group)
     try:
         mesh = init_device_mesh("cpu", (2, 2))
         for strategy, group in (("ulysses", dist.group.WORLD), ("hybrid", mesh)):
@@ -121,9 +121,48 @@ def _count_exchanges(rank, world):
             assert (forward, len(calls) - forward) == (5, 4), (strategy, forward, len(calls) - forward)
             calls.clear()
     finally:
-        ulysses.all_to_all_stacked = exchange
+        ulysses.all_to_all_posted = exchange
 
 
 def test_ulysses_backward_exchanges_only_gradients():
     """The backward reuses the forward's head shards of q, k, v, out and lse."""
     run_distributed(_count_exchanges, 4)
+
+
+def _exchange_order(rank, world):
+    """The order in which Ulysses makes each tensor ready to send (m), posts its all-to-all (p),
+    waits for it (w) and copies the head shards it keeps (k)."""
+    from attn_compile import shard_varlen, varlen_attention
+    from attn_compile.cp import comm, ulysses
+    events, patched = [], {}
+
+    def log(module, name, letter):
+        patched[module, name] = original = getattr(module, name)
+        setattr(module, name, lambda *args, **kwargs: events.append(letter) or original(*args, **kwargs))
+
+    log(ulysses, "_head_send", "m"), log(ulysses, "_sequence_send", "m"), log(comm.dist, "all_to_all_single", "p")
+    log(comm, "wait_collective", "w"), log(ulysses, "kept_head_shards", "k")
+    try:
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(1, h, 8, 16, requires_grad=True) for h in (4, 2, 2))
+        cu = torch.tensor([0, 5, 16], dtype=torch.int32)
+        packed = [shard_varlen(torch.randn(16, h, 16), cu, dist.group.WORLD)[0].requires_grad_() for h in (4, 2, 2)]
+        for attend, inputs in ((lambda *qkv: context_parallel_attention(*qkv, group=dist.group.WORLD, strategy="ulysses",
+                                                                          is_causal=True), (q, k, v)),
+                               (lambda *qkv: varlen_attention(*qkv, cu, cu, 11, 11, is_causal=True, group=dist.group.WORLD,
+                                                              strategy="ulysses"), packed)):
+            out = attend(*inputs)
+            forward = "".join(events)
+            out.backward(torch.randn_like(out))
+            backward = "".join(events)[len(forward):]
+            # after the ranks' agreement (w), each transfer is posted before the next tensor is made
+            # ready, and the waits come after every post
+            assert (forward, backward) == ("wmpmpmpwwwmpmpkww", "mpwmpmpmpwww"), (forward, backward)
+            events.clear()
+    finally:
+        for (module, name), original in patched.items():
+            setattr(module, name, original)
+
+
+def test_ulysses_posts_every_exchange_before_it_waits():
+    run_distributed(_exchange_order, 2)

@@ -92,9 +92,27 @@ def reduce_scatter_stacked(x: torch.Tensor, group) -> torch.Tensor:
 
 def all_to_all_stacked(x: torch.Tensor, group) -> torch.Tensor:
     """Row j of x (size, ...) goes to rank j; row j of the result came from rank j."""
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    wait_collective(dist.all_to_all_single(out, x.contiguous(), group=group, async_op=True), group)
+    (out,) = received(all_to_all_posted([x], group), group)
     return out
+
+
+def all_to_all_posted(sends, group) -> list:
+    """``all_to_all_stacked`` of each tensor the iterable ``sends`` makes, posted as soon as it is
+    made, so that the next one is made while it travels (NCCL's collectives run on their own
+    stream): (output, work) pairs, for ``received``."""
+    posted = []
+    for x in sends:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        posted.append((out, dist.all_to_all_single(out, x.contiguous(), group=group, async_op=True)))
+    return posted
+
+
+def received(posted, group):
+    """The outputs of ``all_to_all_posted`` in turn, each once its transfer has landed: what the
+    caller does with one runs while the later ones travel."""
+    for out, work in posted:
+        wait_collective(work, group)
+        yield out
 
 
 def pass_round(tensors, group, tag: int, shift: int = 1):

@@ -30,7 +30,7 @@ from attn_compile.kernels.documents import packed, unpacked
 from attn_compile.kernels.reference import lse_dtype
 
 from .checks import check_call, sharding_of
-from .comm import all_to_all_stacked, sized_group
+from .comm import all_to_all_posted, received, sized_group
 from .failures import failing_together
 from .documents import ChunkSharding, DocumentSharding
 from .layout import chunks_per_rank
@@ -41,35 +41,44 @@ def kv_head_repeats(h_kv: int, cp: int) -> int:
     return cp // math.gcd(h_kv, cp)
 
 
-def to_head_shards(x, group, sharding, rows: int = 0):
-    """(B, H, S_local, ...) sequence shard -> (B, H/cp, S, ...): this rank's heads, whole sequence
-    in position order (for the hybrid, the inner group's part of it). Packed documents' shards
-    come in a buffer of ``rows`` rows where given (``head_rows_bound``), their real rows first."""
+def to_head_shards(xs, group, sharding, rows: int = 0) -> list:
+    """Each (B, H, S_local, ...) sequence shard of ``xs`` -> (B, H/cp, S, ...): this rank's heads,
+    whole sequence in position order (for the hybrid, the inner group's part of it). Packed
+    documents' shards come in a buffer of ``rows`` rows where given (``head_rows_bound``), their
+    real rows first. One tensor's all-to-all travels while the next is made ready
+    (``all_to_all_posted``)."""
     cp = group.size()
-    if isinstance(sharding, ChunkSharding):
-        return _rows_to_head_shards(x, group, sharding, rows)
-    received = all_to_all_stacked(x.unflatten(1, (cp, -1)).movedim(1, 0), group)
-    return sharding.join(received, dim=2)
+    posted = all_to_all_posted((_head_send(x, cp, sharding) for x in xs), group)
+    return [_head_receive(x, sharding, rows) for x in received(posted, group)]
 
 
-def to_sequence_shards(x, group, sharding):
-    """to_head_shards undone."""
-    if isinstance(sharding, ChunkSharding):
-        return _rows_to_sequence_shards(x, group, sharding)
-    received = all_to_all_stacked(sharding.split(x, dim=2), group)
-    # (cp, B, H/cp, ...) -> (B, H, ...): a view, no copy, for B = 1
-    return received.movedim(0, 1).flatten(1, 2).contiguous()
+def post_sequence_shards(xs, group, sharding) -> list:
+    """``to_head_shards`` undone, its all-to-alls posted: ``sequence_shards`` gives the results."""
+    return all_to_all_posted((_sequence_send(x, sharding) for x in xs), group)
 
 
-def _rows_to_head_shards(x, group, sharding, rows: int):
-    """to_head_shards of packed documents (one batch entry, uneven shards): token-major rows go
-    out, padded to the longest shard, and come back in batch order by one row gather, into the
-    first rows of a zero-tailed buffer of ``rows`` rows where given. The result is token-major,
-    the varlen kernels' layout."""
-    cp, tokens = group.size(), packed(x)  # (S_local, H, ...)
+def sequence_shards(posted, group, sharding) -> list:
+    """The (B, H, S_local, ...) contiguous sequence shards ``post_sequence_shards`` sent for."""
+    return [_sequence_receive(x, group, sharding) for x in received(posted, group)]
+
+
+def _head_send(x, cp: int, sharding):
+    """(cp, ...): row j for rank j, its heads. Packed documents (one batch entry, uneven shards)
+    go token-major, padded to the longest shard."""
+    if not isinstance(sharding, ChunkSharding):
+        return x.unflatten(1, (cp, -1)).movedim(1, 0)
+    tokens = packed(x)  # (S_local, H, ...)
     shards = tokens.new_empty((cp, sharding.shard_len, tokens.shape[1] // cp, *tokens.shape[2:]))
     shards[:, :tokens.shape[0]] = tokens.unflatten(1, (cp, -1)).movedim(1, 0)  # the padding rows are never read
-    received = all_to_all_stacked(shards, group)
+    return shards
+
+
+def _head_receive(received, sharding, rows: int):
+    """The head shard from what every rank sent: packed documents' rows put in batch order by one
+    row gather, into the first rows of a zero-tailed buffer of ``rows`` rows where given, token-major
+    (the varlen kernels' layout)."""
+    if not isinstance(sharding, ChunkSharding):
+        return sharding.join(received, dim=2)
     if not rows:
         return unpacked(sharding.gather_rows(received), 1)
     buffer = _zero_tailed(received, (1, received.shape[2], rows, *received.shape[3:]), received.dtype, sharding.total)
@@ -77,9 +86,16 @@ def _rows_to_head_shards(x, group, sharding, rows: int):
     return buffer
 
 
-def _rows_to_sequence_shards(x, group, sharding):
-    """_rows_to_head_shards undone: (1, H/cp, total, ...) -> (1, H, S_local, ...), contiguous."""
-    received = all_to_all_stacked(sharding.scatter_rows(packed(x)), group)  # (cp, shard_len, H/cp, ...)
+def _sequence_send(x, sharding):
+    if not isinstance(sharding, ChunkSharding):
+        return sharding.split(x, dim=2)
+    return sharding.scatter_rows(packed(x))  # (cp, shard_len, H/cp, ...)
+
+
+def _sequence_receive(received, group, sharding):
+    if not isinstance(sharding, ChunkSharding):
+        # (cp, B, H/cp, ...) -> (B, H, ...): a view, no copy, for B = 1
+        return received.movedim(0, 1).flatten(1, 2).contiguous()
     mine = received.narrow(1, 0, sharding.local_len(group.rank()))
     return mine.transpose(1, 2).flatten(0, 1).unsqueeze(0).contiguous()
 
@@ -88,7 +104,7 @@ def to_head_shards_of(q, k, v, group, sharding, rows: int = 0):
     """The head shards of q, k and v, the KV heads repeated by ``kv_head_repeats``."""
     repeats = kv_head_repeats(k.shape[1], group.size())
     k, v = (x if repeats == 1 else x.repeat_interleave(repeats, 1) for x in (k, v))  # repeats of 1 would copy
-    return tuple(to_head_shards(x, group, sharding, rows) for x in (q, k, v))
+    return tuple(to_head_shards((q, k, v), group, sharding, rows))
 
 
 def head_shard_shapes(q, k, v, cp: int) -> list[tuple]:
@@ -106,16 +122,17 @@ def exchange_forward(q, k, v, group, sharding, attend, rows: int = 0):
     run on head shards."""
     heads = to_head_shards_of(q, k, v, group, sharding, rows)
     out, lse = attend(*attended_rows(heads, sharding))
-    return (to_sequence_shards(out, group, sharding), to_sequence_shards(lse, group, sharding), *heads,
-            *kept_head_shards((out, lse), rows))
+    posted = post_sequence_shards((out, lse), group, sharding)
+    kept = kept_head_shards((out, lse), rows)  # copied while out and the LSE travel
+    return (*sequence_shards(posted, group, sharding), *heads, *kept)
 
 
 def exchange_backward(dout, heads, kv_heads, group, sharding, attend_backward):
     """(dq, dk, dv) sequence-sharded, from the forward's head shards ``heads`` (q, k, v, out, lse)
     and ``attend_backward(dout, q, k, v, out, lse)`` run on head shards; ``kv_heads`` is h_kv."""
     repeats = kv_head_repeats(kv_heads, group.size())
-    grads = attend_backward(to_head_shards(dout, group, sharding), *heads)
-    dq, dk, dv = (to_sequence_shards(g, group, sharding) for g in grads)
+    (dout,) = to_head_shards([dout], group, sharding)
+    dq, dk, dv = sequence_shards(post_sequence_shards(attend_backward(dout, *heads), group, sharding), group, sharding)
     if repeats == 1:
         return dq, dk, dv
     return dq, dk.unflatten(1, (-1, repeats)).sum(2), dv.unflatten(1, (-1, repeats)).sum(2)
