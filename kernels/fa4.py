@@ -19,9 +19,9 @@ Key padding, without a window: a row whose real keys are one run ``[start, end)`
 left or right padding) is exact with FA4's packed path, the run's queries against the run's keys
 (the two lengths agree, so the alignments agree) and, under a causal mask, the queries after the
 run against the whole run, unmasked; queries before the run see no key. The runs are found on the
-device, with no sync. A row whose real keys have holes is recomputed by the Triton kernels: they
-are handed a padding mask that is empty in every other row, which they skip at no cost, and the
-rows are selected on the device.
+device, with no sync. A row whose real keys have holes is recomputed by the Triton kernels, in
+place: they are handed a padding mask that is empty in every other row, and leave those rows as
+FA4 wrote them (``into``), reading and writing nothing there.
 
 Refusals found and kept out by ``supports``: float32, head dims over 256 or not a multiple of 8
 (sm100: up to 128, or 192/128, or 256/256), tensor masks, document ids, a window with key padding
@@ -169,10 +169,8 @@ def _padded_forward(q, k, v, scale, is_causal, key_padding_mask, softcap):
                                     softcap=softcap, out=out, lse=lse, return_lse=True,
                                     **_packing(runs, segments, lengths))
     out, lse = as_out(_unpacked(out, q), q), lse.unflatten(1, (b, s)).transpose(0, 1).contiguous()
-    hole_out, hole_lse = _triton().attention_forward(q, k, v, scale=scale, is_causal=is_causal, softcap=softcap,
-                                                     key_padding_mask=key_padding_mask & runs.holes[:, None])
-    holes = runs.holes[:, None, None]
-    return torch.where(holes[..., None], hole_out, out, out=out), torch.where(holes, hole_lse, lse, out=lse)
+    return _triton().attention_forward(q, k, v, scale=scale, is_causal=is_causal, softcap=softcap,
+                                       key_padding_mask=key_padding_mask & runs.holes[:, None], into=(out, lse))
 
 
 def _padded_backward(dout, q, k, v, out, lse, scale, is_causal, key_padding_mask, softcap):
@@ -189,10 +187,8 @@ def _padded_backward(dout, q, k, v, out, lse, scale, is_causal, key_padding_mask
             grads[1] += into[1]
             grads[2] += into[2]
     grads = [as_grad(_unpacked(grad, x), x) for grad, x in zip(grads, (q, k, v))]
-    hole_grads = _triton().attention_backward(dout, q, k, v, out, lse, scale=scale, is_causal=is_causal,
-                                              softcap=softcap, key_padding_mask=key_padding_mask & runs.holes[:, None])
-    holes = runs.holes[:, None, None, None]
-    return tuple(torch.where(holes, hole, grad, out=grad) for hole, grad in zip(hole_grads, grads))
+    return _triton().attention_backward(dout, q, k, v, out, lse, scale=scale, is_causal=is_causal, softcap=softcap,
+                                        key_padding_mask=key_padding_mask & runs.holes[:, None], into=grads)
 
 
 # Packed documents ----------------------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ of triton_forward.py, triton_backward.py and triton_merge.py.
   syncs nor stops a CUDA graph) are ANDed with them; a tensor ``attn_mask`` is not taken. ``softcap`` > 0
   caps the scaled scores as ``softcap * tanh(scores / softcap)`` before the masks. The backward
   takes the final, possibly merged, out and LSE and returns this call's share of the gradients.
+  ``into`` (results of another call, with a key padding mask) writes them in place, leaving the
+  sequences whose mask has no real key as that call wrote them.
 - ``varlen_forward`` / ``varlen_backward``: packed (total, H, D) documents with int32
   cumulative lengths starting at 0. Each document starts at position 0 in q and in k (causal
   is top-left aligned, as in SDPA). The LSE is (total_q, H), lined up with out.
@@ -166,34 +168,57 @@ def _key_padding(key_padding_mask, k):
 
 
 def attention_forward(q, k, v, *, scale, is_causal=False, window=(-1, -1), attn_mask=None, key_padding_mask=None,
-                      q_offset=0, k_offset=0, document_ids=None, softcap=0.0):
-    """Returns (out (B, h_q, S_q, d_v) in q's dtype, lse (B, h_q, S_q) float32)."""
+                      q_offset=0, k_offset=0, document_ids=None, softcap=0.0, into=None):
+    """Returns (out (B, h_q, S_q, d_v) in q's dtype, lse (B, h_q, S_q) float32): new ones, or
+    ``into``'s (out, lse), written in place but for the sequences with no real key."""
     _check_scale_and_mask(scale, attn_mask, softcap)
     q, k, v = _check_inputs(q, k, v)
     k, v = _descriptor_ready(k, v)
     key_padding = _key_padding(key_padding_mask, k)
     documents = _document_ids(document_ids, q, k, q_offset, k_offset)
     before, after = _reaches(is_causal, window, q_offset, k_offset, max(q.shape[2], k.shape[2]))
-    out = empty_out(q, v.shape[-1])
-    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    if into is None:
+        out = empty_out(q, v.shape[-1])
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    else:
+        out, lse = _check_into(into, ("out", "lse"), key_padding, (*q.shape[:-1], v.shape[-1]), q.shape[:-1])
     forward(q, k, v, out, lse, None, None, q.shape[2], k.shape[2], scale, before, after, key_padding, documents,
-            softcap)
+            softcap, keyed_only=into is not None)
     return out, lse
 
 
 def attention_backward(dout, q, k, v, out, lse, *, scale, is_causal=False, window=(-1, -1), attn_mask=None,
-                       key_padding_mask=None, q_offset=0, k_offset=0, document_ids=None, softcap=0.0):
-    """(dq, dk, dv) given the final out and lse, which may merge this call with others."""
+                       key_padding_mask=None, q_offset=0, k_offset=0, document_ids=None, softcap=0.0, into=None):
+    """(dq, dk, dv) given the final out and lse, which may merge this call with others: new ones,
+    or ``into``'s, written in place but for the sequences with no real key."""
     _check_scale_and_mask(scale, attn_mask, softcap)
     q, k, v = _descriptor_ready(*_check_inputs(q, k, v))
     key_padding = _key_padding(key_padding_mask, k)
     documents = _document_ids(document_ids, q, k, q_offset, k_offset)
     dout, out = _check_result(dout, out, lse, q, v)
     before, after = _reaches(is_causal, window, q_offset, k_offset, max(q.shape[2], k.shape[2]))
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if into is None:
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    else:
+        dq, dk, dv = _check_into(into, ("dq", "dk", "dv"), key_padding, q.shape, k.shape, v.shape)
     backward(dout, q, k, v, out, lse, dq, dk, dv, None, None, q.shape[2], k.shape[2], scale, before, after,
-             key_padding, documents, softcap)
+             key_padding, documents, softcap, keyed_only=into is not None)
     return dq, dk, dv
+
+
+def _check_into(into, names, key_padding, *shapes):
+    """``into``'s tensors, checked to be ``names`` of ``shapes`` with a unit last stride, for a call
+    with a key padding mask (whose sequences with no real key they keep)."""
+    if key_padding is None:
+        raise ValueError("into: writes in place but for the sequences with no real key, so it needs a "
+                         "key_padding_mask; got none")
+    if len(into) != len(names):
+        raise ValueError(f"into: expected ({', '.join(names)}), got {len(into)} tensors")
+    for name, x, shape in zip(names, into, shapes):
+        if tuple(x.shape) != tuple(shape) or x.stride(-1) != 1:
+            raise ValueError(f"into: {name} must have shape {tuple(shape)} and a unit last stride; got shape "
+                             f"{tuple(x.shape)}, strides {x.stride()}")
+    return into
 
 
 def _check_documents(cu_seqlens_q, cu_seqlens_k):

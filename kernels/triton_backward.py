@@ -75,11 +75,11 @@ def _dq_kernel(Q, K, V, DO, O, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k, KeyPa
                D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                VARLEN: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DOCUMENTS: tl.constexpr,
                SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, SHORT_WALK: tl.constexpr, OWN_WALK: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+               KEYED_ONLY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     batch, head = tl.program_id(2), tl.program_id(1)
     q_start, seqlen_q, k_start, seqlen_k, real_prefix, first = query_block(cu_seqlens_q, cu_seqlens_k, KeyBounds, batch,
                                                                            seqlen_q, seqlen_k, BLOCK_M, VARLEN,
-                                                                           HAS_KEY_PADDING)
+                                                                           HAS_KEY_PADDING, KEYED_ONLY)
     if first < 0:
         return
     last = tl.minimum(first + BLOCK_M, seqlen_q) - 1
@@ -180,11 +180,14 @@ def _dkdv_kernel(Q, K, V, DO, Lse, Delta, GradK, GradV, cu_seqlens_q, cu_seqlens
                  D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                  VARLEN: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DOCUMENTS: tl.constexpr,
                  SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, SHORT_WALK: tl.constexpr, OWN_WALK: tl.constexpr,
-                 DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 KEYED_ONLY: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
     batch, kv_head, part = tl.program_id(2), tl.program_id(1) // parts, tl.program_id(1) % parts
     q_start, seqlen_q = sequence(cu_seqlens_q, batch, seqlen_q, VARLEN)
     k_start, seqlen_k = sequence(cu_seqlens_k, batch, seqlen_k, VARLEN)
     first = tl.program_id(0) * BLOCK_N  # under a causal mask the first keys are seen most: start them first
+    if KEYED_ONLY:  # a sequence with no real key keeps the gradients another call wrote
+        first = tl.where(padding_bounds(KeyBounds, batch, seqlen_k, True)[1] > 0, first, seqlen_k)
     if first >= seqlen_k:
         return
     last = tl.minimum(first + BLOCK_N, seqlen_k) - 1
@@ -278,9 +281,9 @@ def _packed(grad, varlen):
 
 
 def backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-             scale, before, after, key_padding_mask=None, document_ids=None, softcap=0.0):
-    """Fills ``dq``, ``dk`` and ``dv`` in place; layouts, ``key_padding_mask``, ``document_ids``
-    and ``softcap`` as in ``triton_forward.forward``."""
+             scale, before, after, key_padding_mask=None, document_ids=None, softcap=0.0, keyed_only=False):
+    """Fills ``dq``, ``dk`` and ``dv`` in place; layouts, ``key_padding_mask``, ``document_ids``,
+    ``softcap`` and ``keyed_only`` as in ``triton_forward.forward``."""
     batch, h_q, s_q = q.shape[:3]
     h_kv = k.shape[1]
     d_qk, d_v = q.shape[-1], v.shape[-1]
@@ -292,7 +295,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, ma
     common = dict(D_QK=d_qk, D_V=d_v, BLOCK_DQK=head_blocks(d_qk), BLOCK_DV=head_blocks(d_v), VARLEN=varlen,
                   HAS_KEY_PADDING=key_padding_mask is not None, HAS_DOCUMENTS=document_ids is not None,
                   SOFTCAP=softcap > 0, PRECISION=dot_precision(q.dtype), SHORT_WALK=short, OWN_WALK=own,
-                  seq_bucket=seq_bucket(max_seqlen_q, max_seqlen_k))
+                  KEYED_ONLY=keyed_only, seq_bucket=seq_bucket(max_seqlen_q, max_seqlen_k))
     mask_args = (*key_padding_args(key_padding_mask), *document_args(document_ids))
     qk_scale = scale * LOG2E.value
 
@@ -307,7 +310,8 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, ma
         max_seqlen_q, max_seqlen_k, group, before, after, qk_scale, scale, softcap / scale, **common,
     )
 
-    parts = _group_parts(q.device, group, triton.cdiv(max_seqlen_k, 128) * h_kv * batch)  # 128: the widest key block
+    # 128: the widest key block. keyed_only writes dK and dV in place, which partial sums would overwrite.
+    parts = 1 if keyed_only else _group_parts(q.device, group, triton.cdiv(max_seqlen_k, 128) * h_kv * batch)
     if parts == 1:
         dk_parts, dv_parts = dk.unsqueeze(0), dv.unsqueeze(0)
     else:  # float32 partial sums, one per part, added up below

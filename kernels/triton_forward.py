@@ -7,7 +7,8 @@ start. For packed varlen inputs B counts documents, the batch stride is 0, and `
 gives each document's rows.
 A dense call may add a (B, S_k) uint8 key padding mask, nonzero for a real key, with each
 sequence's ``padding_bounds``: key tiles after the last real key are skipped, and tiles before the
-first padded key run without loading the mask. It may also add (B, S) document ids
+first padded key run without loading the mask. With KEYED_ONLY a sequence with no real key is not
+written at all: its rows keep what another call wrote there. It may also add (B, S) document ids
 (``triton_tiles.document_args``), read on the device. A softcap caps the scores before any
 mask (``triton_tiles.capped``), with the SOFTCAP constexpr, so calls without one compile as before.
 """
@@ -68,12 +69,12 @@ def _forward_kernel(Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, KeyPadding, s
                     seqlen_q, seqlen_k, group, before, after, qk_scale, cap, seq_bucket,
                     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                     VARLEN: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DOCUMENTS: tl.constexpr,
-                    SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, SHORT_WALK: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
+                    SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, SHORT_WALK: tl.constexpr,
+                    KEYED_ONLY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     batch, head = tl.program_id(2), tl.program_id(1)
     q_start, seqlen_q, k_start, seqlen_k, real_prefix, first = query_block(cu_seqlens_q, cu_seqlens_k, KeyBounds, batch,
                                                                            seqlen_q, seqlen_k, BLOCK_M, VARLEN,
-                                                                           HAS_KEY_PADDING)
+                                                                           HAS_KEY_PADDING, KEYED_ONLY)
     if first < 0:
         return
     last = tl.minimum(first + BLOCK_M, seqlen_q) - 1
@@ -107,10 +108,11 @@ def _forward_kernel(Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, KeyPadding, s
 
 
 def forward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, before, after,
-            key_padding_mask=None, document_ids=None, softcap=0.0):
+            key_padding_mask=None, document_ids=None, softcap=0.0, keyed_only=False):
     """Fills ``out`` (B, H_q, S_q, d_v) and ``lse`` (B, H_q, S_q) float32 in place;
     ``key_padding_mask`` is None or (B, S_k) bool with a unit last stride; ``document_ids`` None
-    or (B, S) ids of a dense call with S_q == S_k; ``softcap`` > 0 caps the scaled scores."""
+    or (B, S) ids of a dense call with S_q == S_k; ``softcap`` > 0 caps the scaled scores;
+    ``keyed_only``: the sequences whose mask has no real key are left as they are."""
     batch, h_q = q.shape[:2]
     d_qk, d_v = q.shape[-1], v.shape[-1]
     varlen = cu_seqlens_q is not None
@@ -127,5 +129,5 @@ def forward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
         seq_bucket=seq_bucket(max_seqlen_q, max_seqlen_k),
         D_QK=d_qk, D_V=d_v, BLOCK_DQK=head_blocks(d_qk), BLOCK_DV=head_blocks(d_v), VARLEN=varlen,
         HAS_KEY_PADDING=key_padding_mask is not None, HAS_DOCUMENTS=document_ids is not None, SOFTCAP=softcap > 0,
-        PRECISION=dot_precision(q.dtype), SHORT_WALK=short_walk(before, after),
+        PRECISION=dot_precision(q.dtype), SHORT_WALK=short_walk(before, after), KEYED_ONLY=keyed_only,
     )

@@ -354,15 +354,18 @@ def padding_bounds(key_bounds, batch, seqlen_k, HAS_KEY_PADDING: tl.constexpr):
 
 @triton.jit
 def query_block(cu_seqlens_q, cu_seqlens_k, key_bounds, batch, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr,
-                VARLEN: tl.constexpr, HAS_KEY_PADDING: tl.constexpr):
+                VARLEN: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, KEYED_ONLY: tl.constexpr):
     """(q_start, seqlen_q, k_start, seqlen_k, real_prefix, first) of a program over a block of
     query rows: where its sequence starts and how long it is in q and in k (k cut after the last
     real key), the sequence's ``padding_bounds`` prefix, and the block's first row, < 0 where the
-    sequence has fewer blocks. The last rows come first: under a causal mask they see the most keys."""
+    sequence has fewer blocks, or, with KEYED_ONLY, no real key (its rows are left as they are).
+    The last rows come first: under a causal mask they see the most keys."""
     q_start, seqlen_q = sequence(cu_seqlens_q, batch, seqlen_q, VARLEN)
     k_start, seqlen_k = sequence(cu_seqlens_k, batch, seqlen_k, VARLEN)
     real_prefix, seqlen_k = padding_bounds(key_bounds, batch, seqlen_k, HAS_KEY_PADDING)
     first = (tl.cdiv(seqlen_q, BLOCK_M) - 1 - tl.program_id(0)) * BLOCK_M
+    if KEYED_ONLY:
+        first = tl.where(seqlen_k > 0, first, -1)
     return q_start, seqlen_q, k_start, seqlen_k, real_prefix, first
 
 

@@ -413,7 +413,32 @@ def _bad_calls():
         "cu_seqlens_q": lambda: ta.varlen_forward(q[0], k[0], v[0], cu.long(), cu, 8, 8, scale=1.0),
         "max_seqlen_q, max_seqlen_k": lambda: ta.varlen_forward(q[0], k[0], v[0], cu, cu, 1 << 28, 8, scale=1.0),
         "lse_b": lambda: ta.merge_forward(out, lse, out, lse[0]),
+        "into: writes in place": lambda: ta.attention_forward(q, k, v, scale=1.0, into=(out, lse)),
+        "into: dk must have shape": lambda: ta.attention_backward(
+            out, q, k, v, out, lse, scale=1.0, key_padding_mask=torch.ones(2, 8, dtype=torch.bool),
+            into=(q, k[:, :1], v)),
     }
+
+
+def test_into_keeps_the_sequences_with_no_real_key():
+    """With ``into``, the sequences whose mask has real keys get what a call of their own gives, in
+    place; a sequence with none keeps what ``into`` held (FA4's padded path has the Triton kernels
+    recompute the rows with holes this way)."""
+    torch.manual_seed(13)
+    q, k, v = make_qkv("gqa", batch=3, s_q=40, s_k=40, device=DEVICE, requires_grad=False)
+    dout = torch.randn(*q.shape[:-1], v.shape[-1], device=DEVICE)
+    mask = torch.ones(3, 40, dtype=torch.bool, device=DEVICE)
+    mask[0, 10:14] = False  # a hole
+    mask[1] = False  # no real key
+    mask[2, 30:] = False
+    masking = dict(scale=0.25, is_causal=True, key_padding_mask=mask)
+    alone = _run(q, k, v, dout, **masking)
+    held = [torch.full_like(x, 7.0) for x in alone]
+    out, lse = ta.attention_forward(q, k, v, **masking, into=held[:2])
+    grads = ta.attention_backward(dout, q, k, v, *alone[:2], **masking, into=held[2:])
+    for name, got, kept, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), held, alone):
+        assert got is kept, name
+        assert rel_err(got[[0, 2]], want[[0, 2]]) <= 1e-6 and (got[1] == 7.0).all(), name
 
 
 @pytest.mark.parametrize("batch, s_k", [(1, 0), (0, 8)], ids=["no keys", "no batch"])
