@@ -170,10 +170,15 @@ def autotuning() -> bool:
 
 
 def compile_config(kernel, config, grid, args, kwargs) -> None:
-    """Compiles ``kernel`` for ``config`` without launching it (nothing to compile when interpreting)."""
+    """Compiles ``kernel`` for ``config`` and loads it on the device without launching it (nothing
+    to compile when interpreting). Loading checks the shared memory it needs against the GPU's:
+    a configuration that needs more (d 256 tiles on an H200: 262,200 bytes of 232,448) fails
+    here, not at its launch."""
     if config.pre_hook:  # the block shapes of the walked descriptors, part of what is compiled
         config.pre_hook({**kernel.nargs, **kwargs, **config.all_kwargs()})
-    kernel.fn.run(*args, grid=grid, warmup=True, **kwargs, **config.all_kwargs())
+    compiled = kernel.fn.run(*args, grid=grid, warmup=True, **kwargs, **config.all_kwargs())
+    if hasattr(compiled, "_init_handles"):
+        compiled._init_handles()
 
 
 def _first_line(error) -> str:

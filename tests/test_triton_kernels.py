@@ -514,16 +514,24 @@ def test_lengths_are_tuned_by_powers_of_two():
         assert {32, 64} <= {key[at] for key in _PICKS if key[0] is kernel}, kernel
 
 
-def _forward_with_configs(monkeypatch, configs, failing=(), at_launch=None, untuned_bucket=0, compiled=None):
+def _forward_with_configs(monkeypatch, configs, failing=(), at_launch=None, untuned_bucket=0, compiled=None,
+                          too_large=()):
     """The forward kernel autotuned over ``configs`` (which differ in num_stages) for a new key of
     24 keys (``UNTUNED_BUCKET`` set to ``untuned_bucket``): ``failing`` ones fail to compile as an
-    MLIR pass did on an H100, and ``at_launch`` (an exception) is raised when a configuration
-    runs. The stages of each configuration compiled go into the list ``compiled``. Returns the
-    pick, after checking the result against the oracle."""
+    MLIR pass did on an H100, ``too_large`` ones compile but need more shared memory than the GPU
+    has (Triton raises that when it loads the compiled kernel, at its first launch or before), and
+    ``at_launch`` (an exception) is raised when a configuration runs. The stages of each
+    configuration compiled go into the list ``compiled``. Returns the pick, after checking the
+    result against the oracle."""
+    import triton
     import attn_compile.kernels.triton_tiles as tiles
 
     run = _forward_kernel.fn.run
     failing_stages = {config.num_stages for config in failing}
+    large_stages = {config.num_stages for config in too_large}
+
+    def out_of_shared_memory():
+        raise triton.runtime.errors.OutOfResources(262200, 232448, "shared memory")
 
     def running(*args, warmup, **kwargs):  # Triton compiles in run, for a warmup as for a launch
         if warmup and compiled is not None:
@@ -531,6 +539,10 @@ def _forward_with_configs(monkeypatch, configs, failing=(), at_launch=None, untu
         if kwargs["num_stages"] in failing_stages:
             raise RuntimeError("PassManager::run failed\nFailures have been detected while processing an MLIR pass "
                                "pipeline ... Pipeline failed while executing `LLVMDIScope`")
+        if kwargs["num_stages"] in large_stages:
+            if warmup:
+                return SimpleNamespace(_init_handles=out_of_shared_memory)
+            out_of_shared_memory()
         if at_launch is not None and not warmup:
             raise at_launch
         return run(*args, warmup=warmup, **kwargs)
@@ -578,6 +590,15 @@ def test_a_configuration_that_fails_to_compile_is_rejected(monkeypatch, caplog):
     (record,) = caplog.records
     assert record.getMessage().startswith(f"Triton kernel _forward_kernel: configuration {bad} failed to compile "
                                           f"and is not used (RuntimeError: PassManager::run failed)")
+
+
+def test_a_configuration_out_of_shared_memory_is_rejected_before_it_runs(monkeypatch):
+    """Also where no candidate is timed (a short call): a configuration whose kernel compiles but
+    does not fit the GPU's shared memory is rejected when it is loaded, and the next one runs."""
+    big, good = _two_configurations()
+    for untuned_bucket in (1024, 0):
+        with monkeypatch.context() as patch:
+            assert _forward_with_configs(patch, [big, good], too_large=[big], untuned_bucket=untuned_bucket) is good
 
 
 def test_every_configuration_failing_to_compile_raises(monkeypatch):
