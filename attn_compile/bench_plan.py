@@ -24,26 +24,26 @@ HEADS = {  # name: (h_q, h_kv, d_qk, d_v), as bench cp runs them
 
 # Measured fwd+bwd TFLOP/s per GPU of `bench cp` (bf16, causal, batch 1, zigzag), by
 # (GPUs, heads, global tokens): {strategy: TFLOP/s}; the hybrid ran on a (2, 2) mesh.
-# NVIDIA H200s (NVLink) of one 4-GPU host (2 of them for 2 GPUs), 2026-11-27, torch 2.11.0+cu130,
-# flash-attn-4 4.0.0b36 inside the single-GPU op.
+# NVIDIA H200s (NVLink) of one 4-GPU host (2 of them for 2 GPUs), 2026-11-27, commit a6c5d37,
+# torch 2.11.0+cu130, flash-attn-4 4.0.0b36 inside the single-GPU op.
 MEASURED = {
-    (2, "GQA 32/8 d128", 65536): dict(ring=590, allgather=583, ulysses=587),
-    (2, "GQA 32/8 d128", 131072): dict(ring=605, allgather=607, ulysses=611),
-    (2, "MLA 16h 192/128", 65536): dict(ring=477, allgather=464, ulysses=491),
-    (2, "MLA 16h 192/128", 131072): dict(ring=503, allgather=498, ulysses=514),
-    (4, "GQA 32/8 d128", 65536): dict(ring=558, allgather=550, ulysses=586, hybrid=564),
-    (4, "GQA 32/8 d128", 131072): dict(ring=571, allgather=583, ulysses=594, hybrid=575),
-    (4, "MLA 16h 192/128", 65536): dict(ring=415, allgather=412, ulysses=482, hybrid=446),
-    (4, "MLA 16h 192/128", 131072): dict(ring=472, allgather=466, ulysses=505, hybrid=480),
+    (2, "GQA 32/8 d128", 65536): dict(ring=588, allgather=586, ulysses=588),
+    (2, "GQA 32/8 d128", 131072): dict(ring=605, allgather=608, ulysses=608),
+    (2, "MLA 16h 192/128", 65536): dict(ring=478, allgather=466, ulysses=491),
+    (2, "MLA 16h 192/128", 131072): dict(ring=507, allgather=500, ulysses=513),
+    (4, "GQA 32/8 d128", 65536): dict(ring=562, allgather=550, ulysses=584, hybrid=564),
+    (4, "GQA 32/8 d128", 131072): dict(ring=578, allgather=590, ulysses=600, hybrid=582),
+    (4, "MLA 16h 192/128", 65536): dict(ring=429, allgather=413, ulysses=485, hybrid=459),
+    (4, "MLA 16h 192/128", 131072): dict(ring=471, allgather=470, ulysses=506, hybrid=484),
 }
 
 # The same runs' single-GPU op on the same per-GPU work and PyTorch's context_parallel (the better
 # rotate method), fwd+bwd TFLOP/s per GPU, by (GPUs, heads, global tokens).
 LOCAL_AND_PYTORCH = {
-    (2, "GQA 32/8 d128", 65536): (626, 521), (2, "GQA 32/8 d128", 131072): (624, 538),
-    (2, "MLA 16h 192/128", 65536): (528, 383), (2, "MLA 16h 192/128", 131072): (531, 384),
-    (4, "GQA 32/8 d128", 65536): (618, 491), (4, "GQA 32/8 d128", 131072): (613, 506),
-    (4, "MLA 16h 192/128", 65536): (526, 325), (4, "MLA 16h 192/128", 131072): (527, 349),
+    (2, "GQA 32/8 d128", 65536): (626, 527), (2, "GQA 32/8 d128", 131072): (625, 542),
+    (2, "MLA 16h 192/128", 65536): (529, 381), (2, "MLA 16h 192/128", 131072): (532, 386),
+    (4, "GQA 32/8 d128", 65536): (619, 490), (4, "GQA 32/8 d128", 131072): (620, 518),
+    (4, "MLA 16h 192/128", 65536): (534, 326), (4, "MLA 16h 192/128", 131072): (529, 350),
 }
 
 ASSUMPTIONS = (

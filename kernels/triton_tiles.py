@@ -122,8 +122,8 @@ def launch(kernel, grid, device, *args, **kwargs):
 
 
 def tune(kernel, grid, args, kwargs):
-    """The configuration of ``kernel`` for these arguments. Each candidate is compiled first, and
-    one that fails to compile is rejected like one that runs out of resources: Triton's
+    """The configuration of ``kernel`` for these arguments. Each candidate is compiled and loaded
+    first (``compile_config``), and one that fails to is rejected like one that runs out of resources: Triton's
     autotuner rejects only OutOfResources, CompileTimeAssertionFailure and PTXASError, and on an
     H100 an MLIR pass failing on one configuration ("Pipeline failed while executing
     LLVMDIScope") ended the call. The survivors are timed by Triton's autotuner; an error while
@@ -189,7 +189,7 @@ def _log_rejected(kernel, config, error) -> None:
     seen = (kernel, str(config), type(error), _first_line(error))
     if seen not in _LOGGED:
         _LOGGED.add(seen)
-        log.warning("Triton kernel %s: configuration %s failed to compile and is not used (%s: %s)",
+        log.warning("Triton kernel %s: configuration %s failed to compile or load and is not used (%s: %s)",
                     kernel.fn.__name__, config, type(error).__name__, _first_line(error))
 
 

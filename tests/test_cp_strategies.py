@@ -146,10 +146,11 @@ def _exchange_order(rank, world):
         torch.manual_seed(0)
         q, k, v = (torch.randn(1, h, 8, 16, requires_grad=True) for h in (4, 2, 2))
         cu = torch.tensor([0, 5, 16], dtype=torch.int32)
-        packed = [shard_varlen(torch.randn(16, h, 16), cu, dist.group.WORLD)[0].requires_grad_() for h in (4, 2, 2)]
-        for attend, inputs in ((lambda *qkv: context_parallel_attention(*qkv, group=dist.group.WORLD, strategy="ulysses",
+        group = dist.group.WORLD
+        packed = [shard_varlen(torch.randn(16, h, 16), cu, group)[0].requires_grad_() for h in (4, 2, 2)]
+        for attend, inputs in ((lambda *qkv: context_parallel_attention(*qkv, group=group, strategy="ulysses",
                                                                           is_causal=True), (q, k, v)),
-                               (lambda *qkv: varlen_attention(*qkv, cu, cu, 11, 11, is_causal=True, group=dist.group.WORLD,
+                               (lambda *qkv: varlen_attention(*qkv, cu, cu, 11, 11, is_causal=True, group=group,
                                                               strategy="ulysses"), packed)):
             out = attend(*inputs)
             forward = "".join(events)

@@ -589,7 +589,7 @@ def test_a_configuration_that_fails_to_compile_is_rejected(monkeypatch, caplog):
             assert _forward_with_configs(monkeypatch, [bad, good], failing=[bad]) is good
     (record,) = caplog.records
     assert record.getMessage().startswith(f"Triton kernel _forward_kernel: configuration {bad} failed to compile "
-                                          f"and is not used (RuntimeError: PassManager::run failed)")
+                                          f"or load and is not used (RuntimeError: PassManager::run failed)")
 
 
 def test_a_configuration_out_of_shared_memory_is_rejected_before_it_runs(monkeypatch):
