@@ -186,8 +186,9 @@ def _dkdv_kernel(Q, K, V, DO, Lse, Delta, GradK, GradV, cu_seqlens_q, cu_seqlens
     q_start, seqlen_q = sequence(cu_seqlens_q, batch, seqlen_q, VARLEN)
     k_start, seqlen_k = sequence(cu_seqlens_k, batch, seqlen_k, VARLEN)
     first = tl.program_id(0) * BLOCK_N  # under a causal mask the first keys are seen most: start them first
+    _, end = padding_bounds(KeyBounds, batch, seqlen_k, HAS_KEY_PADDING)
     if KEYED_ONLY:  # a sequence with no real key keeps the gradients another call wrote
-        first = tl.where(padding_bounds(KeyBounds, batch, seqlen_k, True)[1] > 0, first, seqlen_k)
+        first = tl.where(end > 0, first, seqlen_k)
     if first >= seqlen_k:
         return
     last = tl.minimum(first + BLOCK_N, seqlen_k) - 1
@@ -211,7 +212,6 @@ def _dkdv_kernel(Q, K, V, DO, Lse, Delta, GradK, GradV, cu_seqlens_q, cu_seqlens
         lo, full_lo, full_hi, hi = document_tiles(spans, runs, first, last, lo, full_lo, full_hi, hi, BLOCK_N, BLOCK_M)
     if HAS_KEY_PADDING:
         real = real_keys(KeyPadding + batch * stride_kpb, keys, seqlen_k)
-        _, end = padding_bounds(KeyBounds, batch, seqlen_k, HAS_KEY_PADDING)
         if first >= end:  # padding keys only: dK = dV = 0
             lo = hi
             full_lo = hi

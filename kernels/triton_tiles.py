@@ -123,13 +123,13 @@ def launch(kernel, grid, device, *args, **kwargs):
 
 def tune(kernel, grid, args, kwargs):
     """The configuration of ``kernel`` for these arguments. Each candidate is compiled and loaded
-    first (``compile_config``), and one that fails to is rejected like one that runs out of resources: Triton's
-    autotuner rejects only OutOfResources, CompileTimeAssertionFailure and PTXASError, and on an
-    H100 an MLIR pass failing on one configuration ("Pipeline failed while executing
-    LLVMDIScope") ended the call. The survivors are timed by Triton's autotuner; an error while
-    they run is raised as it is. A call of ``UNTUNED_BUCKET`` keys or fewer, or any call while
-    ``ATTN_COMPILE_AUTOTUNE=0``, takes the first candidate that compiles, untimed. Raises a
-    RuntimeError naming the first failure when every candidate is rejected."""
+    first (``compile_config``), and one that fails to is rejected like one that runs out of
+    resources: Triton's autotuner rejects only OutOfResources, CompileTimeAssertionFailure and
+    PTXASError, and on an H100 an MLIR pass failing on one configuration ("Pipeline failed while
+    executing LLVMDIScope") ended the call. The survivors are timed by Triton's autotuner; an
+    error while they run is raised as it is. A call of ``UNTUNED_BUCKET`` keys or fewer, or any
+    call while ``ATTN_COMPILE_AUTOTUNE=0``, takes the first candidate that compiles, untimed.
+    Raises a RuntimeError naming the first failure when every candidate is rejected."""
     meta = {**kwargs, "grid": grid, "warmup": False}
     untuned = not autotuning() or kwargs["seq_bucket"] <= UNTUNED_BUCKET
     kernel.nargs = dict(zip(kernel.arg_names, args))  # what the autotuner's pruning and timing read

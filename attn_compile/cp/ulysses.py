@@ -17,8 +17,9 @@ a bound this rank's shape gives, their real rows first.
 
 ``exchange_forward`` and ``exchange_backward`` take the attention run on the head shards, so
 the hybrid strategy reuses them around a ring. Each direction posts all its all-to-alls before it
-waits for any (``comm.all_to_all_posted``), so one tensor's copies run while another travels. Packed documents (uneven shards) are exchanged as
-token-major rows padded to the longest shard; the whole batch is then attended in one varlen call.
+waits for any (``comm.all_to_all_posted``), so one tensor's copies run while another travels.
+Packed documents (uneven shards) are exchanged as token-major rows padded to the longest shard;
+the whole batch is then attended in one varlen call.
 """
 import math
 from typing import Optional
