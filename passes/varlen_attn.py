@@ -145,7 +145,7 @@ def _why_not(a: dict, outputs) -> Optional[str]:
         return _masking(a)
     causal, window = _masking(a)
     positional = causal or window != (-1, -1)
-    if positional and a["seqused_k"] is not None:
+    if positional and a.get("seqused_k") is not None:
         return ("seqused_k with a causal or windowed mask: varlen_attn aligns the mask to each document's last used "
                 "key (bottom-right), the op to its first")
     if positional and a["cu_seq_q"] is not a["cu_seq_k"]:
@@ -172,7 +172,7 @@ def find(node: Node) -> Union[VarlenCall, Left, None]:
         if found:  # MLA written for a kernel that needs d_v == d_qk: the op takes V as it is
             v, trims = unpadded, tuple(found)
     return VarlenCall(node, a["query"], a["key"], v, a["cu_seq_q"], a["cu_seq_k"], a["max_q"], a["max_k"],
-                      causal, float(scale), window, a["seqused_k"], trims)
+                      causal, float(scale), window, a.get("seqused_k"), trims)
 
 
 def _why_invalid(call: VarlenCall) -> Optional[str]:

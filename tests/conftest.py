@@ -38,6 +38,15 @@ def matmul_precision():
 
 
 @pytest.fixture
+def without_fa4(monkeypatch):
+    """The dispatch as on a machine without flash-attn-4, for tests of the other kernels' choices
+    on a GPU where FA4 is installed and would take those calls."""
+    from attn_compile.kernels import fa4
+
+    monkeypatch.setattr(fa4, "interface", lambda: None)
+
+
+@pytest.fixture
 def inner_graphs(monkeypatch):
     """The graphs the attn_cp backend hands to its inner compiler, i.e. after the rewrite."""
     import attn_compile.backend as backend

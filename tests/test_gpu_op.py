@@ -91,7 +91,9 @@ def test_each_fused_kernel_when_it_is_the_one_enabled(backend, mask, monkeypatch
     assert max(errors) <= TOL, errors
 
 
-def test_plain_shapes_use_fused_kernels():
+def test_plain_shapes_use_fused_kernels(without_fa4):
+    """Without flash-attn-4, plain shapes run on cuDNN and the others on Triton (FA4's choices are
+    test_gpu_fa4's)."""
     q, k, v, _ = _case("mha 8h d128", "causal")
     assert select_kernel(q, k, v, is_causal=True) == "cudnn"
     q, k, v, _ = _case("mla 8h 192/128", "full")
@@ -121,7 +123,7 @@ def _hf_style_attention(q, k, v, padding, window):
 
 @pytest.mark.parametrize("padding, window, kernel", [(True, 64, "triton"), (False, None, "cudnn")],
                          ids=["triton", "cudnn"])
-def test_cuda_graphs_replay_the_op(padding, window, kernel):
+def test_cuda_graphs_replay_the_op(padding, window, kernel, without_fa4):
     """mode="reduce-overhead" records the op into CUDA graphs and replays it on new inputs: no
     graph is skipped, and every call matches the oracle, forward and gradients."""
     from torch._dynamo.utils import counters

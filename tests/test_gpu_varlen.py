@@ -54,7 +54,7 @@ def test_bf16_against_float32(kernel, shape, mask, monkeypatch):
     assert max(errors) <= TOL, errors
 
 
-def test_dispatch_picks_triton_for_packed_documents():
+def test_dispatch_picks_triton_for_packed_documents(without_fa4):
     q, k, v, _ = _case("mla 8h 192/128")
     assert select_varlen_kernel(q, k, v, is_causal=True, window=(64, 0)) == "triton"
 

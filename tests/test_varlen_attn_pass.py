@@ -2,6 +2,7 @@
 where PyTorch has no varlen kernel; forms the op cannot take stay, with the reason."""
 import inspect
 import itertools
+from operator import getitem
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ def _packed(total, heads, dim, dtype=torch.float64):
 
 def _compiled(fn):
     torch._dynamo.reset()
-    return torch.compile(fn, backend="attn_cp", options={"inner": "aot_eager"}, fullgraph=True)
+    return torch.compile(fn, backend="attn_cp", options={"inner": "aot_eager", "strict": True}, fullgraph=True)
 
 
 class TestGraphs(TestCase):
@@ -198,8 +199,8 @@ def test_opcheck_with_seqused_k():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("window", [(-1, 0), (64, 0), (-1, -1)])
-def test_against_torch_varlen_attn_on_gpu(window):
-    """The rewritten site (Triton) against varlen_attn itself (FA2), bf16, forward and gradients."""
+def test_against_torch_varlen_attn_on_gpu(window, inner_graphs):
+    """The rewritten site against varlen_attn itself (FA2), bf16, forward and gradients."""
     lengths = [1, 300, 7, 1024, 3, 513]
     cu = _cu(lengths).cuda()
     q, k, v = (torch.randn(sum(lengths), h, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -209,6 +210,8 @@ def test_against_torch_varlen_attn_on_gpu(window):
         return varlen_attn(q, k, v, cu, cu, 1024, 1024, window_size=window, **GQA)
 
     got, want = _compiled(fn)(q, k, v, cu), fn(q, k, v, cu)
+    ops = [n.target for n in inner_graphs[0].graph.nodes if n.op == "call_function" and n.target is not getitem]
+    assert ops == [torch.ops.attn_cp.varlen_attention.default], ops  # a site left alone would pass as well
     assert rel_err(got, want) <= 2e-2
     dout = torch.randn_like(got)
     for g, w in zip(torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(want, (q, k, v), dout)):
