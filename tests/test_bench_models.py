@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+import torchtitan_site
+
 pytest.importorskip("transformers")
 
 
@@ -26,10 +28,10 @@ def test_tiny_benchmark_runs(capsys, options, masking):
         assert re.search(rf"1 of 1 attention sites rewritten; .*mask -> {STRUCTURES[model]} \+ {masking}", out), out
 
 
+@torchtitan_site.needs_its_torch
 def test_tiny_torchtitan_benchmark_runs(capsys):
     """torchtitan's Llama 3 (its debug model's first 2 layers): attn_cp runs every measure, flex its
     attention forward (no CPU backward), varlen nothing (no CPU kernel); both layers rewritten."""
-    import torchtitan_site
     from attn_compile.bench_models import main
 
     torchtitan_site.install()

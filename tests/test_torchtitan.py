@@ -19,6 +19,8 @@ from attn_compile import shard_varlen
 from dist_harness import run_distributed
 from oracle import rel_err, varlen_reference
 
+pytestmark = torchtitan_site.needs_its_torch
+
 ROWS = ([5, 20, 15], [1, 39])  # documents packed into each row of the batch
 BF16 = 2e-2  # the error bf16 q, k, v and attention outputs leave in the logits and gradients
 

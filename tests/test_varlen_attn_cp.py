@@ -8,6 +8,7 @@ import torch
 from attn_compile import shard_varlen
 from dist_harness import run_distributed
 from oracle import rel_err
+from test_varlen_attn_pass import GQA
 
 varlen = pytest.importorskip("torch.nn.attention.varlen")
 
@@ -19,7 +20,7 @@ def _cu(lengths):
 
 
 def attention(q, k, v, cu, longest, window):
-    out, lse = varlen.varlen_attn(q, k, v, cu, cu, longest, longest, window_size=window, enable_gqa=True,
+    out, lse = varlen.varlen_attn(q, k, v, cu, cu, longest, longest, window_size=window, **GQA,
                                   return_aux=varlen.AuxRequest(lse=True))
     return out * 2, lse
 
@@ -55,7 +56,7 @@ def _check_ranks(rank, world):
         compiled(*(x for x, _ in local), local[0][1], longest, (-1, 0))
     # a q and a k of different cu_seqlens tensors: a compile-time error
     torch._dynamo.reset()
-    apart = torch.compile(lambda q, k, v, a, b: varlen.varlen_attn(q, k, v, a, b, longest, longest, enable_gqa=True),
+    apart = torch.compile(lambda q, k, v, a, b: varlen.varlen_attn(q, k, v, a, b, longest, longest, **GQA),
                           backend="attn_cp", options=options, fullgraph=True)
     with pytest.raises(Exception, match="one cu_seqlens tensor that describes the whole batch"):
         apart(*(x for x, _ in local), cu, cu.clone())

@@ -17,6 +17,8 @@ varlen = pytest.importorskip("torch.nn.attention.varlen")
 varlen_attn, AuxRequest = varlen.varlen_attn, varlen.AuxRequest
 # torch 2.13 asks for enable_gqa where h_q != h_kv; torch 2.11's varlen_attn has no such argument
 GQA = {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen_attn).parameters else {}
+needs_seqused_k = pytest.mark.skipif("seqused_k" not in inspect.signature(varlen_attn).parameters,
+                                     reason="this torch's varlen_attn has no seqused_k (torch 2.11)")
 
 
 def _cu(lengths):
@@ -58,6 +60,7 @@ return (add, float_1)""")
         assert [s.op for s in sites] == ["attn_cp.varlen_attention"] * 2
         assert "test_varlen_attn_pass.py" in sites[0].location
 
+    @needs_seqused_k
     def test_seqused_k_full_attention(self):
         q, k, v = (x.detach() for x in (_packed(9, 2, 8), _packed(12, 2, 8), _packed(12, 2, 8)))
         used = torch.tensor([3, 5], dtype=torch.int32)
@@ -127,6 +130,12 @@ def test_forms_the_op_cannot_take_stay_with_the_reason():
     causal_apart = _left_reason(lambda q, k, v, a, b: varlen_attn(q, k, v, a, b, 6, 6, window_size=(-1, 0)),
                                 q, k, v, cu_q, cu_k)
     assert "bottom-right" in causal_apart and "different tensors" in causal_apart
+
+
+@needs_seqused_k
+def test_forms_with_seqused_k_the_op_cannot_take_stay_with_the_reason():
+    q, k, v = (x.detach() for x in (_packed(10, 2, 8), _packed(10, 2, 8), _packed(10, 2, 8)))
+    cu_q = _cu([4, 6])
     used = torch.tensor([3, 5], dtype=torch.int32)
     causal_used = _left_reason(lambda q, k, v, c, u: varlen_attn(q, k, v, c, c, 6, 6, window_size=(-1, 0),
                                                                  seqused_k=u), q, k, v, cu_q, used)
@@ -160,8 +169,11 @@ def test_matches_per_document_reference(window):
         assert rel_err(got, want) <= 1e-6
 
 
-def test_distinct_lengths_full_attention_and_seqused_k():
-    cu_q, cu_k = _cu([3, 0, 6]), _cu([5, 2, 4])
+DISTINCT = _cu([3, 0, 6]), _cu([5, 2, 4])  # documents' query and key lengths differ
+
+
+def test_distinct_lengths_full_attention():
+    cu_q, cu_k = DISTINCT
     q, k, v = _packed(9, 2, 8), _packed(11, 2, 8), _packed(11, 2, 8)
     got = _compiled(lambda q, k, v, a, b: varlen_attn(q, k, v, a, b, 6, 5, scale=0.4))(q, k, v, cu_q, cu_k)
     want, _ = reference(q, k, v, cu_q, cu_k, scale=0.4)
@@ -169,6 +181,12 @@ def test_distinct_lengths_full_attention_and_seqused_k():
     dout = torch.randn_like(got)
     for g, w in zip(torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(want, (q, k, v), dout)):
         assert rel_err(g, w) <= 1e-6
+
+
+@needs_seqused_k
+def test_distinct_lengths_with_seqused_k():
+    cu_q, cu_k = DISTINCT
+    q, k, v = _packed(9, 2, 8), _packed(11, 2, 8), _packed(11, 2, 8)
     used = torch.tensor([4, 0, 3], dtype=torch.int32)
     with torch.no_grad():  # varlen_attn takes seqused_k for inference only
         got = _compiled(lambda q, k, v, a, b, u: varlen_attn(q, k, v, a, b, 6, 5, seqused_k=u))(q, k, v, cu_q, cu_k,

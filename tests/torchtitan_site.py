@@ -11,7 +11,13 @@ import subprocess
 import sys
 import tempfile
 
+import pytest
+import torch
+
 from attn_compile.bench_models import TITAN_PACKAGES as PACKAGES
+
+# torchtitan 0.3.0 imports torch.distributed APIs that torch 2.11 does not have
+needs_its_torch = pytest.mark.skipif(torch.__version__ < "2.12", reason="torchtitan 0.3.0 needs torch >= 2.12")
 
 
 def _cache_root() -> str:
