@@ -30,6 +30,7 @@ _FUNCTIONS = {
     torch.where: "where", torch.masked_fill: "masked_fill",
     torch.tril: "tril", torch.triu: "triu", torch.tanh: "tanh", F.tanh: "tanh",
     torch.transpose: "transpose", torch.permute: "permute",
+    torch.ops.aten.mT: "mT", torch.ops.aten.mT.default: "mT",  # dynamo on torch 2.14 records x.mT as aten.mT
     torch.unsqueeze: "unsqueeze", torch.squeeze: "squeeze", torch.reshape: "reshape", torch.flatten: "flatten",
     torch.repeat_interleave: "repeat_interleave", torch.cumsum: "cumsum", torch.diff: "diff",
     abs: "abs", torch.abs: "abs", operator.abs: "abs", torch.Tensor.__abs__: "abs",  # torch 2.11: __abs__

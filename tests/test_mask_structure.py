@@ -14,7 +14,7 @@ from attn_compile.passes.index_formula import Affine, Eq, Le
 from attn_compile.passes.mask_proof import prove
 from attn_compile.passes.mask_structure import Structure, classify
 from attn_compile.passes.mask_trace import Unsupported
-from compiled import assert_matches_eager, rewrite
+from compiled import assert_matches_eager, mask_with_is_causal, rewrite
 from oracle import rel_err
 
 
@@ -99,6 +99,7 @@ return (getitem_4)""")
             with self.subTest(name):
                 assert_matches_eager(attend(mask_fn), *_inputs())
 
+    @mask_with_is_causal
     def test_sdpa_is_causal_and_a_window_mask_combine(self):
         def fn(q, k, v, pad):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=hf_mask(pad, q_offset=3) & pad[:, None, None, :],

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from expecttest import TestCase
 
+from compiled import mask_with_is_causal
 from graphs import normalized, rewritten_graphs
 from shapes import make_qkv
 
@@ -96,6 +97,7 @@ return (add)""")
         self.assertEqual(sites[1].reason, "dropout_p=0.5 > 0: the fused op has no dropout")
         self.assertIn("dropout_p=0.5 > 0", logs.output[1])
 
+    @mask_with_is_causal
     def test_mask_with_causal_is_rewritten_like_sdpa_computes_it(self):
         q, k, v = _qkv("gqa")  # SDPA's CPU math path takes both and ANDs them
         mask = torch.rand(16, 16) > 0.3
