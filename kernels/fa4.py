@@ -16,12 +16,15 @@ shift)`` with ``shift = (k_offset - q_offset) + (S_k - S_q)``; FA4 reads a negat
 unbounded, so a tile whose band needs one is not taken (``window_sides``).
 
 Key padding, without a window: a row whose real keys are one run ``[start, end)`` (Hugging Face's
-left or right padding) is exact with FA4's packed path, the run's queries against the run's keys
-(the two lengths agree, so the alignments agree) and, under a causal mask, the queries after the
-run against the whole run, unmasked; queries before the run see no key. The runs are found on the
-device, with no sync. A row whose real keys have holes is recomputed by the Triton kernels, in
-place: they are handed a padding mask that is empty in every other row, and leave those rows as
-FA4 wrote them (``into``), reading and writing nothing there.
+left or right padding, or padding on both sides) is exact with FA4's packed path, the run's queries
+against the run's keys (the two lengths agree, so the alignments agree) and, under a causal mask,
+the queries after the run against the whole run, unmasked, in a second call; the queries before
+the run see no key. The runs are found on the device, with no sync. Where a row has no query
+after its run (left padding), the second call's segment has no key, and FA4 then does next to no
+work. Rows and gradients that no call writes (queries before a run, padding keys) are filled
+(``triton_runs.py``), so nothing is zeroed in full. A row whose real keys have holes is recomputed
+by the Triton kernels, in place: they are handed a padding mask that is empty in every other row,
+and leave those rows as FA4 wrote them (``into``), reading and writing nothing there.
 
 Refusals found and kept out by ``supports``: float32, head dims over 256 or not a multiple of 8
 (sm100: up to 128, or 192/128, or 256/256), tensor masks, document ids, a window with key padding
@@ -115,8 +118,11 @@ def attention_backward(dout, q, k, v, out, lse, *, scale, is_causal=False, windo
 
 
 class _Runs:
-    """Each batch row's real keys as a run [start, start + length), and the rows with holes in it,
-    all found on the device. The packed calls address row b's tokens at ``b * S + start``."""
+    """Each batch row's real keys as a run [start, end), found on the device; the packed calls
+    address row b's tokens at ``b * S + position``. Under a causal mask the run's queries see the
+    run causally, the queries after it the whole run (a second call), and those before it no key;
+    so do all queries of a row with no real key (its run is empty and all its queries come "after").
+    The rows before a run are no call's: ``before`` counts them, and they are filled instead."""
 
     def __init__(self, key_padding_mask):
         batch, s = key_padding_mask.shape
@@ -125,17 +131,23 @@ class _Runs:
         end = torch.where(key_padding_mask, positions + 1, 0).amax(1)
         self.length = (end - start).clamp_min(0).to(torch.int32)
         self.holes = key_padding_mask.sum(1, dtype=torch.int32) != self.length
+        self.before = torch.where(self.length > 0, start, 0).to(torch.int32)
+        self.after_length = (s - end).to(torch.int32)
+        self.after_keys = torch.where(end < s, self.length, 0)  # none (left padding): FA4 then does no work
         self.rows = torch.arange(batch + 1, device=key_padding_mask.device, dtype=torch.int32) * s
-        self.starts = torch.cat([self.rows[:-1] + start.clamp_max(s).to(torch.int32), self.rows[-1:]])
-        self.after = torch.cat([self.rows[:-1] + end.to(torch.int32), self.rows[-1:]])
-        self.after_length = (s - end).to(torch.int32).clamp_min(0)
+        self.starts = self._segments(start.clamp_max(s))
+        self.after = self._segments(end)
         self.s = s
 
+    def _segments(self, offsets):
+        return torch.cat([self.rows[:-1] + offsets.to(torch.int32), self.rows[-1:]])
+
     def calls(self, is_causal):
-        """(query segments, their lengths, causal) for each packed call; the keys are the runs."""
+        """(query segments, their lengths, their keys' lengths, causal) for each packed call; the
+        key segments start where the runs do."""
         if not is_causal:  # every query sees the whole run
-            return [(self.rows, None, False)]
-        return [(self.starts, self.length, True), (self.after, self.after_length, False)]
+            return [(self.rows, None, self.length, False)]
+        return [(self.starts, self.length, self.length, True), (self.after, self.after_length, self.after_keys, False)]
 
 
 def _packed(x):
@@ -148,8 +160,8 @@ def _unpacked(x, like):
     return x.unflatten(0, (like.shape[0], like.shape[2])).transpose(1, 2)
 
 
-def _packing(runs, segments, lengths):
-    return dict(cu_seqlens_q=segments, seqused_q=lengths, cu_seqlens_k=runs.starts, seqused_k=runs.length,
+def _packing(runs, segments, lengths, keys):
+    return dict(cu_seqlens_q=segments, seqused_q=lengths, cu_seqlens_k=runs.starts, seqused_k=keys,
                 max_seqlen_q=runs.s, max_seqlen_k=runs.s)
 
 
@@ -159,33 +171,43 @@ def _triton():
 
 
 def _padded_forward(q, k, v, scale, is_causal, key_padding_mask, softcap):
+    from .triton_runs import fill_runs
     runs = _Runs(key_padding_mask)
     b, h, s, _ = q.shape
     inputs = [_packed(x) for x in (q, k, v)]
-    out = q.new_zeros(b * s, h, v.shape[-1])  # rows no query segment covers see no key
-    lse = torch.full((h, b * s), float("-inf"), dtype=torch.float32, device=q.device)
-    for segments, lengths, causal in runs.calls(is_causal):
+    out = q.new_empty(b * s, h, v.shape[-1])
+    lse = torch.empty((h, b * s), dtype=torch.float32, device=q.device)
+    for segments, lengths, keys, causal in runs.calls(is_causal):
         interface()._flash_attn_fwd(*inputs, softmax_scale=scale, causal=causal,
                                     softcap=softcap, out=out, lse=lse, return_lse=True,
-                                    **_packing(runs, segments, lengths))
+                                    **_packing(runs, segments, lengths, keys))
+    if is_causal:  # the queries before a run see no key
+        fill_runs(out, runs.rows, runs.before, s, 0.0)
+        fill_runs(lse.t().unsqueeze(-1), runs.rows, runs.before, s, float("-inf"))
     out, lse = as_out(_unpacked(out, q), q), lse.unflatten(1, (b, s)).transpose(0, 1).contiguous()
     return _triton().attention_forward(q, k, v, scale=scale, is_causal=is_causal, softcap=softcap,
                                        key_padding_mask=key_padding_mask & runs.holes[:, None], into=(out, lse))
 
 
 def _padded_backward(dout, q, k, v, out, lse, scale, is_causal, key_padding_mask, softcap):
+    from .triton_runs import add_runs, fill_runs
     runs = _Runs(key_padding_mask)
     inputs = [_packed(x) for x in (q, k, v, out, dout)]
     lse_packed = lse.transpose(0, 1).flatten(1).contiguous()
-    grads = [torch.zeros_like(x) for x in inputs[:3]]  # padding keys and unseen queries get none
-    for n, (segments, lengths, causal) in enumerate(runs.calls(is_causal)):
+    grads = [torch.empty_like(x) for x in inputs[:3]]
+    for n, (segments, lengths, keys, causal) in enumerate(runs.calls(is_causal)):
         # The queries of the calls differ, their keys (the runs) do not: dK and dV add up.
-        into = grads if n == 0 else [grads[0], *map(torch.zeros_like, grads[1:])]
+        into = grads if n == 0 else [grads[0], torch.empty_like(grads[1]), torch.empty_like(grads[2])]
         interface()._flash_attn_bwd(*inputs, lse_packed, scale, causal, softcap, dq=into[0], dk=into[1], dv=into[2],
-                                    **_packing(runs, segments, lengths))
+                                    **_packing(runs, segments, lengths, keys))
         if n:
-            grads[1] += into[1]
-            grads[2] += into[2]
+            for grad, part in zip(grads[1:], into[1:]):
+                add_runs(grad, part, runs.starts, keys, runs.s)
+    if is_causal:
+        fill_runs(grads[0], runs.rows, runs.before, runs.s, 0.0)
+    for grad in grads[1:]:  # the padding keys, before and after the run, which no call sees
+        fill_runs(grad, runs.rows, runs.before, runs.s, 0.0)
+        fill_runs(grad, runs.after, runs.after_length, runs.s, 0.0)
     grads = [as_grad(_unpacked(grad, x), x) for grad, x in zip(grads, (q, k, v))]
     return _triton().attention_backward(dout, q, k, v, out, lse, scale=scale, is_causal=is_causal, softcap=softcap,
                                         key_padding_mask=key_padding_mask & runs.holes[:, None], into=grads)

@@ -45,8 +45,11 @@ def naive_attention(q, k, v, **masking):
 
 def rel_err(got, want) -> float:
     """||got - want|| / ||want||; where the reference is exactly zero (a gradient when every query
-    sees a single key), the largest absolute error instead."""
+    sees a single key), the largest absolute error instead. NaN anywhere is an infinite error (a NaN
+    would otherwise slip through ``max`` and every comparison)."""
     diff = got.double() - want.double()
+    if diff.isnan().any():
+        return float("inf")
     norm = want.double().norm()
     return (diff.abs().max() if norm == 0 else diff.norm() / norm).item()
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from attn_compile.kernels import dispatch, fa4, reference
+from attn_compile.kernels.triton_runs import add_runs, fill_runs
 from attn_compile.kernels.problem import Problem
 from oracle import naive_attention, rel_err
 
@@ -189,6 +190,8 @@ def _against_oracle(q, k, v, **masking):
     want_grads = torch.autograd.grad(want, (qd, kd, vd), dout.double())
     errors = [rel_err(out, want), *(rel_err(g, w) for g, w in zip(grads, want_grads))]
     assert max(errors) <= 1e-4, errors
+    _, want_lse = reference.attention_forward(qd, kd, vd, scale=scale, **masking)
+    torch.testing.assert_close(lse, want_lse.float())  # -inf where a query sees no key
     return out, grads
 
 
@@ -205,41 +208,95 @@ def test_dense_mapping(standin, masking):
     assert all(g.stride() == x.stride() for g, x in zip(grads, (q, k, v)))
 
 
-def key_padding(lengths, s, left=False, holes=False):
-    """(B, S) bool: each row's run of real tokens, at the end with ``left``, with one hole in the
-    middle of each run of more than 4 with ``holes``."""
+def key_padding(lengths, s, side="right", holes=False):
+    """(B, S) bool: each row's run of real tokens, at the start (``side="right"``: right padding),
+    the end ("left") or the middle ("middle": padding on both sides), with one hole in the middle
+    of each run of more than 4 with ``holes``."""
     rows = []
     for n in lengths:
-        real = torch.arange(s) >= s - n if left else torch.arange(s) < n
+        first = {"right": 0, "left": s - n, "middle": (s - n) // 2}[side]
+        real = (torch.arange(s) >= first) & (torch.arange(s) < first + n)
         if holes and n > 4:
-            real[(s - n if left else 0) + n // 2] = False
+            real[first + n // 2] = False
         rows.append(real)
     return torch.stack(rows)
 
 
-PADDED = {  # name: (lengths, left, holes, causal)
-    "right padding, causal": ([24, 17, 5, 1], False, False, True),
-    "left padding, causal": ([24, 17, 5, 1], True, False, True),
-    "right padding, full": ([24, 17, 5, 1], False, False, False),
-    "holes, causal": ([24, 17, 5, 3], False, True, True),
-    "a row without a real key": ([13, 0], False, False, True),
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """Floating tensors made by ``torch.empty``, ``torch.empty_like`` and ``Tensor.new_empty`` come
+    filled with NaN, so that an element the adapter leaves unwritten, or reads before writing, shows up."""
+    def poisoned(make):
+        def made(*args, **kwargs):
+            x = make(*args, **kwargs)
+            return x.fill_(float("nan")) if x.is_floating_point() else x
+        return made
+    monkeypatch.setattr(torch, "empty", poisoned(torch.empty))
+    monkeypatch.setattr(torch, "empty_like", poisoned(torch.empty_like))
+    monkeypatch.setattr(torch.Tensor, "new_empty", poisoned(torch.Tensor.new_empty))
+
+
+PADDED = {  # name: (lengths, side, holes, causal)
+    "right padding, causal": ([24, 17, 5, 1], "right", False, True),
+    "left padding, causal": ([24, 17, 5, 1], "left", False, True),
+    "right padding, full": ([24, 17, 5, 1], "right", False, False),
+    "left padding, full": ([24, 17, 5, 1], "left", False, False),
+    "holes, causal": ([24, 17, 5, 3], "right", True, True),
+    "padding on both sides, causal": ([24, 17, 5, 1], "middle", False, True),
+    "a row without a real key": ([13, 0], "right", False, True),
 }
 
 
 @pytest.mark.parametrize("name", list(PADDED))
-def test_key_padding_against_oracle(standin, name):
+def test_key_padding_against_oracle(standin, poisoned_empty, name):
     torch.manual_seed(1)
-    lengths, left, holes, causal = PADDED[name]
+    lengths, side, holes, causal = PADDED[name]
     q, k, v = (_projected(len(lengths), h, 24, d) for h, d in ((4, 16), (2, 16), (2, 8)))
-    mask = key_padding(lengths, 24, left, holes)
+    mask = key_padding(lengths, 24, side, holes)
     _against_oracle(q, k, v, is_causal=causal, key_padding_mask=mask)
     forward_calls = [call for call in standin.calls if call["direction"] == "fwd"]
-    assert len(forward_calls) == (2 if causal else 1)  # the runs, and the queries after them
+    assert len(forward_calls) == (2 if causal else 1)  # the runs, and the rows' other queries
     run = torch.tensor(lengths, dtype=torch.int32)  # a hole stays inside its row's run
     assert torch.equal(forward_calls[0]["seqused_k"], run)
     if causal:
         assert torch.equal(forward_calls[0]["seqused_q"], run) and forward_calls[0]["causal"]
-        assert not forward_calls[1]["causal"]
+        after = forward_calls[1]
+        end = torch.where(mask, torch.arange(24) + 1, 0).amax(1)
+        # the queries after each run see all of it, in a second call; a row with none after its
+        # run (left padding) gives that call no key
+        assert not after["causal"] and torch.equal(after["seqused_q"], (24 - end).int())
+        assert torch.equal(after["seqused_k"], torch.where(end < 24, run, 0))
+
+
+RUNS = dict(starts=torch.tensor([0, 10, 20, 40], dtype=torch.int32), lengths=torch.tensor([7, 0, 20], dtype=torch.int32))
+
+
+def _outside_runs():
+    outside = torch.ones(40, dtype=torch.bool)
+    for start, n in zip(RUNS["starts"].tolist(), RUNS["lengths"].tolist()):
+        outside[start:start + n] = False
+    return outside
+
+
+def test_add_runs():
+    """The second call's key gradients are added on each row's run only: elsewhere its buffer is
+    never read (NaN here), and an empty run adds nothing."""
+    torch.manual_seed(0)
+    into, part = torch.randn(40, 3, 8), torch.randn(40, 8, 3).transpose(1, 2)  # any strides
+    outside = _outside_runs()
+    part[outside] = float("nan")
+    want = into + torch.where(outside[:, None, None], 0.0, part)
+    add_runs(into, part, RUNS["starts"], RUNS["lengths"], 20)
+    assert torch.equal(into, want)
+
+
+def test_fill_runs():
+    """A constant in each run's rows, nothing written elsewhere: here an LSE, (H, rows) seen as (rows, H, 1)."""
+    torch.manual_seed(0)
+    lse = torch.randn(3, 40)
+    want = torch.where(_outside_runs(), lse, float("-inf"))
+    fill_runs(lse.t().unsqueeze(-1), RUNS["starts"], RUNS["lengths"], 20, float("-inf"))
+    assert torch.equal(lse, want)
 
 
 def test_varlen_mapping(standin):

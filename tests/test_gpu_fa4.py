@@ -97,21 +97,23 @@ def test_tile_fa4_cannot_express_is_refused():
     assert not fa4.supports(Problem.of(q, k, v, window=(-1, 8), q_offset=0, k_offset=20))
 
 
-PADDED = {  # name: (lengths, left, holes, causal)
-    "right padding causal": ([256, 200, 77, 1], False, False, True),
-    "left padding causal": ([256, 200, 77, 1], True, False, True),
-    "right padding full": ([256, 200, 77, 1], False, False, False),
-    "holes causal": ([256, 200, 77, 3], False, True, True),
-    "a row without a real key, causal": ([130, 0], False, False, True),
+PADDED = {  # name: (lengths, side, holes, causal)
+    "right padding causal": ([256, 200, 77, 1], "right", False, True),
+    "left padding causal": ([256, 200, 77, 1], "left", False, True),
+    "right padding full": ([256, 200, 77, 1], "right", False, False),
+    "left padding full": ([256, 200, 77, 1], "left", False, False),
+    "holes causal": ([256, 200, 77, 3], "right", True, True),
+    "padding on both sides causal": ([256, 200, 77, 1], "middle", False, True),
+    "a row without a real key, causal": ([130, 0], "right", False, True),
 }
 
 
 @pytest.mark.parametrize("name", list(PADDED))
 def test_key_padding_against_float64(name):
     torch.manual_seed(1)
-    lengths, left, holes, causal = PADDED[name]
+    lengths, side, holes, causal = PADDED[name]
     q, k, v = _qkv(len(lengths), 8, 2, 256, 256, 128, 128)
-    _check(q, k, v, name, is_causal=causal, key_padding_mask=key_padding(lengths, 256, left, holes).cuda())
+    _check(q, k, v, name, is_causal=causal, key_padding_mask=key_padding(lengths, 256, side, holes).cuda())
 
 
 def test_varlen_against_float64():
