@@ -117,37 +117,20 @@ def attention_backward(dout, q, k, v, out, lse, *, scale, is_causal=False, windo
 # Key padding ---------------------------------------------------------------------------------------------------
 
 
-class _Runs:
-    """Each batch row's real keys as a run [start, end), found on the device; the packed calls
-    address row b's tokens at ``b * S + position``. Under a causal mask the run's queries see the
-    run causally, the queries after it the whole run (a second call), and those before it no key;
-    so do all queries of a row with no real key (its run is empty and all its queries come "after").
-    The rows before a run are no call's: ``before`` counts them, and they are filled instead."""
+def _calls(runs, is_causal):
+    """(query segments, their lengths, their keys' lengths, causal) for each packed call; the key
+    segments start where the runs do (``triton_runs.Runs``). Under a causal mask the run's queries
+    see the run causally, the queries after it the whole run (a second call), and those before it
+    no key; so do all queries of a row with no real key (its run is empty, and all its queries come
+    after it). The queries before a run are no call's: they are filled instead."""
+    if not is_causal:  # every query sees the whole run
+        return [(runs.rows, None, runs.length, False)]
+    return [(runs.starts, runs.length, runs.length, True), (runs.after, runs.after_length, runs.after_keys, False)]
 
-    def __init__(self, key_padding_mask):
-        batch, s = key_padding_mask.shape
-        positions = torch.arange(s, device=key_padding_mask.device, dtype=torch.int32)
-        start = torch.where(key_padding_mask, positions, s).amin(1)
-        end = torch.where(key_padding_mask, positions + 1, 0).amax(1)
-        self.length = (end - start).clamp_min(0).to(torch.int32)
-        self.holes = key_padding_mask.sum(1, dtype=torch.int32) != self.length
-        self.before = torch.where(self.length > 0, start, 0).to(torch.int32)
-        self.after_length = (s - end).to(torch.int32)
-        self.after_keys = torch.where(end < s, self.length, 0)  # none (left padding): FA4 then does no work
-        self.rows = torch.arange(batch + 1, device=key_padding_mask.device, dtype=torch.int32) * s
-        self.starts = self._segments(start.clamp_max(s))
-        self.after = self._segments(end)
-        self.s = s
 
-    def _segments(self, offsets):
-        return torch.cat([self.rows[:-1] + offsets.to(torch.int32), self.rows[-1:]])
-
-    def calls(self, is_causal):
-        """(query segments, their lengths, their keys' lengths, causal) for each packed call; the
-        key segments start where the runs do."""
-        if not is_causal:  # every query sees the whole run
-            return [(self.rows, None, self.length, False)]
-        return [(self.starts, self.length, self.length, True), (self.after, self.after_length, self.after_keys, False)]
+def _recomputed(runs, key_padding_mask):
+    """The mask the Triton kernels recompute: the rows with holes in their runs, no other."""
+    return key_padding_mask & (runs.holes != 0)[:, None]
 
 
 def _packed(x):
@@ -160,9 +143,9 @@ def _unpacked(x, like):
     return x.unflatten(0, (like.shape[0], like.shape[2])).transpose(1, 2)
 
 
-def _packing(runs, segments, lengths, keys):
+def _packing(runs, s, segments, lengths, keys):
     return dict(cu_seqlens_q=segments, seqused_q=lengths, cu_seqlens_k=runs.starts, seqused_k=keys,
-                max_seqlen_q=runs.s, max_seqlen_k=runs.s)
+                max_seqlen_q=s, max_seqlen_k=s)
 
 
 def _triton():
@@ -171,46 +154,43 @@ def _triton():
 
 
 def _padded_forward(q, k, v, scale, is_causal, key_padding_mask, softcap):
-    from .triton_runs import fill_runs
-    runs = _Runs(key_padding_mask)
+    from .triton_runs import fill_runs, find_runs
+    runs = find_runs(key_padding_mask)
     b, h, s, _ = q.shape
     inputs = [_packed(x) for x in (q, k, v)]
     out = q.new_empty(b * s, h, v.shape[-1])
     lse = torch.empty((h, b * s), dtype=torch.float32, device=q.device)
-    for segments, lengths, keys, causal in runs.calls(is_causal):
+    for segments, lengths, keys, causal in _calls(runs, is_causal):
         interface()._flash_attn_fwd(*inputs, softmax_scale=scale, causal=causal,
                                     softcap=softcap, out=out, lse=lse, return_lse=True,
-                                    **_packing(runs, segments, lengths, keys))
+                                    **_packing(runs, s, segments, lengths, keys))
     if is_causal:  # the queries before a run see no key
         fill_runs(out, runs.rows, runs.before, s, 0.0)
         fill_runs(lse.t().unsqueeze(-1), runs.rows, runs.before, s, float("-inf"))
     out, lse = as_out(_unpacked(out, q), q), lse.unflatten(1, (b, s)).transpose(0, 1).contiguous()
     return _triton().attention_forward(q, k, v, scale=scale, is_causal=is_causal, softcap=softcap,
-                                       key_padding_mask=key_padding_mask & runs.holes[:, None], into=(out, lse))
+                                       key_padding_mask=_recomputed(runs, key_padding_mask), into=(out, lse))
 
 
 def _padded_backward(dout, q, k, v, out, lse, scale, is_causal, key_padding_mask, softcap):
-    from .triton_runs import add_runs, fill_runs
-    runs = _Runs(key_padding_mask)
+    from .triton_runs import fill_runs, find_runs, finish_key_grads
+    runs, s = find_runs(key_padding_mask), q.shape[2]
     inputs = [_packed(x) for x in (q, k, v, out, dout)]
     lse_packed = lse.transpose(0, 1).flatten(1).contiguous()
     grads = [torch.empty_like(x) for x in inputs[:3]]
-    for n, (segments, lengths, keys, causal) in enumerate(runs.calls(is_causal)):
-        # The queries of the calls differ, their keys (the runs) do not: dK and dV add up.
-        into = grads if n == 0 else [grads[0], torch.empty_like(grads[1]), torch.empty_like(grads[2])]
-        interface()._flash_attn_bwd(*inputs, lse_packed, scale, causal, softcap, dq=into[0], dk=into[1], dv=into[2],
-                                    **_packing(runs, segments, lengths, keys))
-        if n:
-            for grad, part in zip(grads[1:], into[1:]):
-                add_runs(grad, part, runs.starts, keys, runs.s)
+    calls = _calls(runs, is_causal)
+    parts = [torch.empty_like(grad) for grad in grads[1:]] if len(calls) > 1 else [None, None]
+    for (segments, lengths, keys, causal), (dk, dv) in zip(calls, (grads[1:], parts)):
+        # The queries of the calls differ, their keys (the runs) do not: the second's dK and dV add on.
+        interface()._flash_attn_bwd(*inputs, lse_packed, scale, causal, softcap, dq=grads[0], dk=dk, dv=dv,
+                                    **_packing(runs, s, segments, lengths, keys))
     if is_causal:
-        fill_runs(grads[0], runs.rows, runs.before, runs.s, 0.0)
-    for grad in grads[1:]:  # the padding keys, before and after the run, which no call sees
-        fill_runs(grad, runs.rows, runs.before, runs.s, 0.0)
-        fill_runs(grad, runs.after, runs.after_length, runs.s, 0.0)
+        fill_runs(grads[0], runs.rows, runs.before, s, 0.0)
+    for grad, part in zip(grads[1:], parts):
+        finish_key_grads(grad, part, runs, s)
     grads = [as_grad(_unpacked(grad, x), x) for grad, x in zip(grads, (q, k, v))]
     return _triton().attention_backward(dout, q, k, v, out, lse, scale=scale, is_causal=is_causal, softcap=softcap,
-                                        key_padding_mask=key_padding_mask & runs.holes[:, None], into=grads)
+                                        key_padding_mask=_recomputed(runs, key_padding_mask), into=grads)
 
 
 # Packed documents ----------------------------------------------------------------------------------------------

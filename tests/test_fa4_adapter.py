@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from attn_compile.kernels import dispatch, fa4, reference
-from attn_compile.kernels.triton_runs import add_runs, fill_runs
+from attn_compile.kernels.triton_runs import fill_runs, find_runs, finish_key_grads
 from attn_compile.kernels.problem import Problem
 from oracle import naive_attention, rel_err
 
@@ -268,35 +268,55 @@ def test_key_padding_against_oracle(standin, poisoned_empty, name):
         assert torch.equal(after["seqused_k"], torch.where(end < 24, run, 0))
 
 
-RUNS = dict(starts=torch.tensor([0, 10, 20, 40], dtype=torch.int32), lengths=torch.tensor([7, 0, 20], dtype=torch.int32))
-
-
-def _outside_runs():
-    outside = torch.ones(40, dtype=torch.bool)
-    for start, n in zip(RUNS["starts"].tolist(), RUNS["lengths"].tolist()):
-        outside[start:start + n] = False
-    return outside
-
-
-def test_add_runs():
-    """The second call's key gradients are added on each row's run only: elsewhere its buffer is
-    never read (NaN here), and an empty run adds nothing."""
-    torch.manual_seed(0)
-    into, part = torch.randn(40, 3, 8), torch.randn(40, 8, 3).transpose(1, 2)  # any strides
-    outside = _outside_runs()
-    part[outside] = float("nan")
-    want = into + torch.where(outside[:, None, None], 0.0, part)
-    add_runs(into, part, RUNS["starts"], RUNS["lengths"], 20)
-    assert torch.equal(into, want)
+def test_find_runs():
+    """One launch finds what the packed calls need: each row's run, the queries before and after
+    it, and whether its real keys have holes."""
+    mask = key_padding([6, 3, 0, 4, 5], 8, "right")
+    mask[1] = key_padding([3], 8, "left")[0]
+    mask[3] = key_padding([4], 8, "middle")[0]
+    mask[4, 2] = False  # a hole: the run is [0, 5), 4 real keys
+    runs = find_runs(mask)
+    assert {name: field.tolist() for name, field in runs._asdict().items()} == {
+        "rows": [0, 8, 16, 24, 32, 40],
+        "starts": [0, 13, 24, 26, 32, 40],  # a row without a real key: its run starts at the next row
+        "after": [6, 16, 16, 30, 37, 40],
+        "length": [6, 3, 0, 4, 5],
+        "before": [0, 5, 0, 2, 0],
+        "after_length": [2, 0, 8, 2, 3],
+        "after_keys": [6, 0, 0, 4, 5],
+        "holes": [0, 0, 0, 0, 1]}
 
 
 def test_fill_runs():
-    """A constant in each run's rows, nothing written elsewhere: here an LSE, (H, rows) seen as (rows, H, 1)."""
+    """A constant in each run's rows, nothing written elsewhere: here an LSE, (H, rows) seen as
+    (rows, H, 1)."""
     torch.manual_seed(0)
+    starts, lengths = torch.tensor([0, 10, 20], dtype=torch.int32), torch.tensor([7, 0, 20], dtype=torch.int32)
     lse = torch.randn(3, 40)
-    want = torch.where(_outside_runs(), lse, float("-inf"))
-    fill_runs(lse.t().unsqueeze(-1), RUNS["starts"], RUNS["lengths"], 20, float("-inf"))
+    want = lse.clone()
+    want[:, 0:7] = want[:, 20:40] = float("-inf")
+    fill_runs(lse.t().unsqueeze(-1), starts, lengths, 20, float("-inf"))
     assert torch.equal(lse, want)
+
+
+@pytest.mark.parametrize("with_part", [False, True])
+def test_finish_key_grads(with_part):
+    """Zero outside each row's run; inside it, the second call's part added where that call had
+    keys, and nothing read or written where it had none. NaN marks what must not be read."""
+    torch.manual_seed(0)
+    mask = key_padding([40, 23, 9], 40, "right")
+    mask[1] = key_padding([23], 40, "left")[0]
+    runs = find_runs(mask)  # row 0: full, 1: left-padded (its second call has no key), 2: right-padded
+    grad, part = torch.randn(120, 3, 8), torch.randn(120, 8, 3).transpose(1, 2)  # any strides
+    padding = ~mask.flatten()
+    grad[padding] = float("nan")
+    part[padding] = float("nan")
+    part[40:80] = float("nan")  # the left-padded row's part is never read
+    want = torch.where(padding[:, None, None], 0.0, grad)
+    if with_part:
+        want[80:89] += part[80:89]
+    finish_key_grads(grad, part if with_part else None, runs, 40)
+    assert torch.equal(grad, want)
 
 
 def test_varlen_mapping(standin):
