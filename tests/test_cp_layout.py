@@ -55,6 +55,21 @@ def test_zigzag_causal_steps_are_balanced(cp):
         assert [bool(t.masking) for t in tiles] == [q_rank == kv_rank]
 
 
+@pytest.mark.parametrize("window", [(-1, -1), (6, 0)])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_allgather_attends_each_query_chunk_in_one_call(cp, window):
+    """Under the all-gather a causal zigzag shard's query chunk sees one run of the whole sequence,
+    its prefix (or its window's band), and attends it in one masked call: no merge."""
+    sharding = SequenceSharding(cp, "zigzag", 8)
+    left = window[0] if window[0] >= 0 else 10 ** 9
+    for rank in range(cp):
+        tiles = plan_tiles(sharding.chunks(rank), sharding.whole_chunks(), True, window)
+        want = [(slice(chunk.row, chunk.row + 4), slice(max(0, chunk.position - left), chunk.position + 4))
+                for chunk in sharding.chunks(rank)]
+        assert [(tile.q_rows, tile.k_rows) for tile in tiles] == want
+        assert all(tile.masking["is_causal"] for tile in tiles)
+
+
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_stops_after_the_last_step_a_window_needs(cp):
     """Contiguous shards of 8 with a causal window of 8 need the keys of one rank back, so two

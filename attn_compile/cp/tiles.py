@@ -8,7 +8,10 @@ visible one runs unmasked, a partly visible one runs masked at its positions. Fu
 that are adjacent in both buffers run as one call, so a zigzag step off the diagonal is one
 half-size call. A shard's causal attention to its own keys is one causal call over its rows
 (``_causal_over_rows``): fewer, larger calls, and causal ones, which cuDNN's backward runs faster
-than full ones (about 470 against 300 TFLOP/s for MLA 192/128 on an H200).
+than full ones (about 470 against 300 TFLOP/s for MLA 192/128 on an H200). In one document, a
+query chunk's partly visible key chunks and the visible chunks that continue them in buffer and
+position are one masked call: under the all-gather each query chunk of a causal zigzag shard is
+one call to its whole visible prefix, which FA4's bottom-right alignment takes, with no merge.
 
 Packed documents give a few tiles per document; ``plan_calls`` cuts each band tile of a window
 into squares on the band's edges and fully visible rectangles (``_band_parts``) and runs the tiles
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 from attn_compile.kernels import attention_backward, attention_forward
 from attn_compile.kernels.visibility import Visibility, classify, effective_window
 
+from .layout import Chunk
 from .packed_tiles import on_diagonal, packed_calls
 
 NO_WINDOW = (-1, -1)
@@ -47,17 +51,25 @@ def _rows(chunks) -> slice:
     return slice(chunks[0].row, chunks[-1].row + chunks[-1].length)
 
 
-def _adjacent_runs(chunks, keep):
-    """Runs of consecutive chunks that satisfy ``keep`` and lie next to each other in their buffer."""
+def _adjacent_runs(chunks, keep, in_position=False):
+    """Runs of consecutive chunks that satisfy ``keep`` and lie next to each other in their buffer
+    (and, ``in_position``, in their document)."""
     runs = []
     for chunk in chunks:
         if not keep(chunk):
             continue
-        if runs and runs[-1][-1].row + runs[-1][-1].length == chunk.row:
+        last = runs[-1][-1] if runs else None
+        if last and last.row + last.length == chunk.row and (
+                not in_position or last.position + last.length == chunk.position):
             runs[-1].append(chunk)
         else:
             runs.append([chunk])
     return runs
+
+
+def _spanning(run) -> Chunk:
+    """The chunks of ``run`` (contiguous in buffer and position) as one chunk."""
+    return Chunk(run[0].row, run[0].position, sum(chunk.length for chunk in run), run[0].document)
 
 
 def _causal_only(is_causal, window) -> bool:
@@ -110,12 +122,19 @@ def plan_tiles(q_chunks: tuple, k_chunks: tuple, is_causal: bool, window: tuple 
     by_document = {}
     for chunk in k_chunks:
         by_document.setdefault(chunk.document, []).append(chunk)
+    one_document = len({chunk.document for chunk in q_chunks}) == 1
     tiles, full_keys = [], []
     for q in q_chunks:
         keys = by_document.get(q.document, [])
         visibility = {k: _diagonal_or(classify(q.position, q.length, k.position, k.length, left, right), q, k,
                                       is_causal) for k in keys}
-        tiles += [_cropped(q, k, is_causal, window) for k in keys if visibility[k] is Visibility.PARTIAL]
+        if one_document:  # a masked chunk and the visible chunks next to it: one masked call, no merge
+            runs = _adjacent_runs(keys, lambda k: visibility[k] is not Visibility.NONE, in_position=True)
+            masked = [run for run in runs if any(visibility[k] is Visibility.PARTIAL for k in run)]
+        else:  # packed documents: tiles of a kind pack across documents (plan_calls)
+            masked = [[k] for k in keys if visibility[k] is Visibility.PARTIAL]
+        tiles += [_cropped(q, _spanning(run), is_causal, window) for run in masked]
+        visibility.update({k: Visibility.NONE for run in masked for k in run})
         runs = _adjacent_runs(keys, lambda k: visibility[k] is Visibility.FULL)
         full_keys.append((q, tuple(_rows(run) for run in runs)))
     # adjacent query chunks that see the same keys fully run as one call
