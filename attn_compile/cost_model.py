@@ -110,13 +110,16 @@ class Problem:
             return (s + 1) / 2
         return min(s, (s if left == UNBOUNDED else left) + (s if right == UNBOUNDED else right) + 1)
 
+    def bounded_reach(self) -> bool:
+        """The mask bounds how far a query sees on both sides (a sliding window)."""
+        return UNBOUNDED not in effective_window(self.is_causal, self.window)
+
     def ring_transfers(self, ranks: int) -> int:
         """Ring steps that move K and V: all but the first, unless a window on contiguous shards
         lets the ring stop early (cp/ring.py stops after the last step any rank needs)."""
-        left, right = effective_window(self.is_causal, self.window)
-        if self.layout != "contiguous" or left == UNBOUNDED or right == UNBOUNDED:
+        if self.layout != "contiguous" or not self.bounded_reach():
             return ranks - 1
-        reach = max(left, right)
+        reach = max(effective_window(self.is_causal, self.window))
         return min(ranks - 1, -(-reach // self.s_local))
 
     def forward_flops(self) -> float:
@@ -261,6 +264,8 @@ def choose(p: Problem, hw: Hardware = Hardware(), strategy: str = "auto") -> tup
         reasons = "; ".join(f"{s}: {r}" for s, r in table.items())
         raise ValueError(f"no context-parallel strategy can run this problem on mesh {p.mesh_shape}: {reasons}")
     if strategy == "auto":
+        if p.documents and p.layout == "contiguous" and p.bounded_reach() and "ring" in estimates:
+            return "ring", table
         if p.documents and "ulysses" in estimates:
             return "ulysses", table
         return min(estimates, key=lambda s: estimates[s].time_s), table

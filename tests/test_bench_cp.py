@@ -62,8 +62,8 @@ def _documents_check_on_cpu(rank, world):
     printed = io.StringIO()
     with redirect_stdout(printed):
         assert bench_documents.check(bench._groups(world), total=300) == 0, printed.getvalue()
-    if rank == 0:  # 2 header lines, then 6 (window, mask) cases of 3 strategies
-        assert printed.getvalue().count("\n") == 2 + 18, printed.getvalue()
+    if rank == 0:  # 2 header lines, then 6 (window, mask) cases of 3 strategies on 2 layouts
+        assert printed.getvalue().count("\n") == 2 + 36, printed.getvalue()
 
 
 def test_documents_check_passes():

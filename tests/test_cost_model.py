@@ -46,6 +46,16 @@ def test_packed_documents_take_ulysses_where_it_runs(cp, window):
     assert choose(dataclasses.replace(docs, documents=True))[0] == "ulysses"
 
 
+@pytest.mark.parametrize("cp", [2, 4])
+def test_contiguous_packed_documents_under_a_window_take_the_ring(cp):
+    """On the contiguous layout a window leaves a rank needing the rank before it only: the ring
+    sends K and V one step, and attends the rest locally."""
+    docs = _problem(batch=17, s_local=-(-22360 // cp), window=(4096, 0), mesh_shape=(cp,), documents=True)
+    assert choose(dataclasses.replace(docs, layout="contiguous"))[0] == "ring"
+    assert choose(dataclasses.replace(docs, layout="contiguous", window=(-1, -1)))[0] == "ulysses"
+    assert choose(docs)[0] == "ulysses"
+
+
 def test_packed_documents_follow_the_model_where_ulysses_cannot_run():
     docs = _problem(batch=17, h_q=12, h_kv=2, s_local=4096, mesh_shape=(8,), documents=True)
     assert choose(docs)[0] == choose(dataclasses.replace(docs, documents=False))[0] != "ulysses"

@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from attn_compile import shard_varlen, unshard_varlen
 from attn_compile.cp.documents import DocumentSharding, chunk_bounds, host_values, hybrid_shardings
+from attn_compile.cp.ring import ring_steps
 from attn_compile.cp.tiles import plan_tiles
 from attn_compile.cp.ulysses import head_rows_bound
 from attn_compile.kernels.visibility import effective_window, visible
@@ -91,6 +92,20 @@ def test_document_sharding(cp, layout):
         for tokens, shard in zip(held, shards):
             assert torch.equal(shard[:len(tokens)], rows[tokens])
         assert torch.equal(sharding.gather_rows(shards), rows)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_contiguous_documents_cut_the_batch_as_it_lies(cp):
+    """Rank r holds the r-th of cp pieces of the batch, whatever the documents: a document may
+    span ranks, and the ring under a window shorter than a shard needs the rank before only."""
+    for seed in range(3):
+        cu = _cu(_random_lengths(cp, seed))
+        sharding = DocumentSharding(cu, cp, "contiguous")
+        assert [t.tolist() for t in _held(sharding)] == [p.tolist() for p in torch.arange(cu[-1]).tensor_split(cp)]
+    lengths = [700, 5000, 300, 2000, 1000, 3000, 800, 3200]  # 16,000 tokens: shards of 4000 on 4 ranks
+    for window in ((3000, 0), (3999, 0)):
+        assert ring_steps(DocumentSharding(_cu(lengths), 4, "contiguous"), True, window) == 2
+        assert ring_steps(DocumentSharding(_cu(lengths), 4, "zigzag"), True, window) == 4
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -2,15 +2,16 @@
 ``torchrun --nproc-per-node N -m attn_compile.bench cp``.
 
 ``check``: bf16 ``varlen_attention`` under every strategy (the hybrid on a (N/2, 2) mesh from 4
-GPUs on) against the float32 reference on one GPU, document by document, for windows (1024, 0),
-(1024, 1024) and (-1, -1), causal and full, GQA + MLA heads, on mixed document lengths including
-1 and ones shorter than 2·cp.
+GPUs on) and both layouts against the float32 reference on one GPU, document by document, for
+windows (1024, 0), (1024, 1024) and (-1, -1), causal and full, GQA + MLA heads, on mixed document
+lengths including 1 and ones shorter than 2·cp.
 
 ``benchmark``: 128K tokens of mixed document lengths, causal GQA 32/8 d128, per-GPU TFLOP/s of
 every strategy (the hybrid as in ``check``) and of ``strategy="auto"`` (named by what it chose)
 with a window of 4096 (flash-attn's left window), beside the same without a window, the same
-with every document padded to a multiple of 2·cp (what TransformerEngine requires), and the
-single-GPU op on the whole batch. FLOPs count only the visible (query, key) pairs.
+with every document padded to a multiple of 2·cp (what TransformerEngine requires), the same on
+the contiguous layout (the batch cut into N pieces as it lies), and the single-GPU op on the
+whole batch. FLOPs count only the visible (query, key) pairs.
 """
 import itertools
 import random
@@ -25,6 +26,7 @@ from .api import choose_strategy
 from .bench import CHECK_TOLERANCE, DEVICE, _collective_median_ms, _fwd_and_bwd, _rel_err, _runnable, say
 from .comm import process_groups
 from .documents import shard_varlen, unshard_varlen
+from .layout import LAYOUTS
 
 HEADS = (32, 8, 128, 128)  # GQA 32/8 d128
 CHECK_HEADS = (16, 2, 192, 128)  # GQA + MLA
@@ -65,7 +67,7 @@ def check(groups, total: int = 16384) -> int:
     cu, longest = _cu(lengths), max(lengths)
     say(f"check: bf16 varlen_attention under CP vs the float32 reference, {len(lengths)} documents, "
         f"{sum(lengths)} tokens; relative error (tolerance {CHECK_TOLERANCE})",
-        f"  {'strategy':10s} {'window':>12s} {'causal':>6s} {'out':>9s} {'dq':>9s} {'dk':>9s} {'dv':>9s}")
+        f"  {'strategy':10s} {'layout':10s} {'window':>12s} {'causal':>6s} {'out':>9s} {'dq':>9s} {'dk':>9s} {'dv':>9s}")
     failures = 0
     for window, is_causal in itertools.product(((1024, 0), (1024, 1024), (-1, -1)), (True, False)):
         torch.manual_seed(0)  # the same global inputs on every rank
@@ -76,14 +78,16 @@ def check(groups, total: int = 16384) -> int:
         dout = torch.randn_like(out)
         want = (out, *reference.varlen_backward(dout, q, k, v, out, lse, *documents, scale=CHECK_HEADS[2] ** -0.5,
                                                 **masking))
-        for strategy, group in _runnable(groups, CHECK_HEADS[0], world):
-            local = [shard_varlen(x.detach().bfloat16(), cu, group)[0].requires_grad_() for x in (q, k, v)]
-            out_local = varlen_attention(*local, cu, cu, longest, longest, group=group, strategy=strategy, **masking)
-            grads = torch.autograd.grad(out_local, local, shard_varlen(dout.bfloat16(), cu, group)[0])
-            errors = [_rel_err(unshard_varlen(x.detach(), cu, group), w) for x, w in zip((out_local, *grads), want)]
+        for (strategy, group), layout in itertools.product(_runnable(groups, CHECK_HEADS[0], world), LAYOUTS):
+            local = [shard_varlen(x.detach().bfloat16(), cu, group, layout)[0].requires_grad_() for x in (q, k, v)]
+            out_local = varlen_attention(*local, cu, cu, longest, longest, group=group, strategy=strategy,
+                                         layout=layout, **masking)
+            grads = torch.autograd.grad(out_local, local, shard_varlen(dout.bfloat16(), cu, group, layout)[0])
+            errors = [_rel_err(unshard_varlen(x.detach(), cu, group, layout), w)
+                      for x, w in zip((out_local, *grads), want)]
             ok = max(errors) <= CHECK_TOLERANCE
             failures += not ok
-            say(f"  {strategy:10s} {str(window):>12s} {str(is_causal):>6s} "
+            say(f"  {strategy:10s} {layout:10s} {str(window):>12s} {str(is_causal):>6s} "
                 + " ".join(f"{e:9.2e}" for e in errors) + ("" if ok else "  FAIL"))
     return failures
 
@@ -103,22 +107,23 @@ def _local_ms(lengths, window):
     return _collective_median_ms(fwd), _collective_median_ms(fwd_bwd)
 
 
-def _cp_ms(lengths, window, strategy, group):
+def _cp_ms(lengths, window, strategy, group, layout):
     cu, longest = _cu(lengths), max(lengths)
-    local = [shard_varlen(x, cu, group)[0].detach().requires_grad_()
+    local = [shard_varlen(x, cu, group, layout)[0].detach().requires_grad_()
              for x in _inputs(sum(lengths), HEADS, torch.bfloat16)]
     fwd, fwd_bwd = _fwd_and_bwd(lambda q, k, v: varlen_attention(
-        q, k, v, cu, cu, longest, longest, is_causal=True, window=window, group=group, strategy=strategy), *local)
+        q, k, v, cu, cu, longest, longest, is_causal=True, window=window, group=group, strategy=strategy,
+        layout=layout), *local)
     return _collective_median_ms(fwd), _collective_median_ms(fwd_bwd)
 
 
-def _auto_name(lengths, window) -> str:
+def _auto_name(lengths, window, layout) -> str:
     """The row name of ``strategy="auto"`` on these documents over the world: what it chose."""
     h_q, h_kv, d_qk, d_v = HEADS
     q, k, v = (torch.empty(1, h, 1, d, device="meta") for h, d in ((h_q, d_qk), (h_kv, d_qk), (h_kv, d_v)))
     groups = process_groups(dist.group.WORLD)
-    return "auto -> " + choose_strategy(q, k, v, groups, is_causal=True, window=window, cu_seqlens=_cu(lengths),
-                                        max_seqlen=max(lengths))
+    return "auto -> " + choose_strategy(q, k, v, groups, is_causal=True, window=window, layout=layout,
+                                        cu_seqlens=_cu(lengths), max_seqlen=max(lengths))
 
 
 def benchmark(groups, total: int = 131072, window=(4096, 0)) -> None:
@@ -130,16 +135,19 @@ def benchmark(groups, total: int = 131072, window=(4096, 0)) -> None:
         f"{len(lengths)} documents of {min(lengths)}..{max(lengths)} tokens, {total} in all "
         f"({sum(padded) - total} more when padded to multiples of 2·cp). TFLOP/s per GPU of visible pairs, "
         "fwd / fwd+bwd, and ratio to the single-GPU op on the whole batch",
-        f"  {'strategy':17s} {'window':>10s} {'fwd':>7s} {'fwd+bwd':>8s}   {'vs local':>12s}   {'ms fwd+bwd':>10s}")
+        f"  {'strategy':23s} {'window':>10s} {'fwd':>7s} {'fwd+bwd':>8s}   {'vs local':>12s}   {'ms fwd+bwd':>10s}")
     for case_window in (window, (-1, -1)):
         local = _tflops_per_gpu(lengths, case_window, _local_ms(lengths, case_window), 1)
-        say(f"  {'local':17s} {str(case_window):>10s} {local[0]:7.0f} {local[1]:8.0f}")
+        say(f"  {'local':23s} {str(case_window):>10s} {local[0]:7.0f} {local[1]:8.0f}")
         strategies = [*_runnable(groups, HEADS[0], world), ("auto", dist.group.WORLD)]
-        for (strategy, group), pad in itertools.product(strategies, (False, True)):
-            if pad and (case_window != window or strategy == "auto"):
+        variants = ("", "padded", "contiguous") if case_window == window else ("",)
+        for (strategy, group), variant in itertools.product(strategies, variants):
+            if variant == "padded" and strategy == "auto":
                 continue
-            ms = _cp_ms(padded if pad else lengths, case_window, strategy, group)
+            layout = "contiguous" if variant == "contiguous" else "zigzag"
+            ms = _cp_ms(padded if variant == "padded" else lengths, case_window, strategy, group, layout)
             tflops = _tflops_per_gpu(lengths, case_window, ms, world)  # padding is overhead, not work
-            name = f"{strategy}{' padded' if pad else ''}" if strategy != "auto" else _auto_name(lengths, case_window)
-            say(f"  {name:17s} {str(case_window):>10s} {tflops[0]:7.0f} {tflops[1]:8.0f}   "
+            name = strategy if strategy != "auto" else _auto_name(lengths, case_window, layout)
+            name = f"{name} {variant}".strip()
+            say(f"  {name:23s} {str(case_window):>10s} {tflops[0]:7.0f} {tflops[1]:8.0f}   "
                 f"{tflops[0] / local[0]:5.2f} / {tflops[1] / local[1]:4.2f}   {ms[1]:10.2f}")

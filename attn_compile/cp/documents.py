@@ -1,9 +1,12 @@
 """Packed documents (THD) sharded for context parallelism.
 
-Every document is cut into 2·cp chunks (``layout="zigzag"``; cp chunks for "contiguous") whose
-sizes differ by at most one, and rank r holds chunks r and 2cp-1-r of each document, documents
-in order. A document shorter than 2·cp leaves some chunks empty: no document length is ever
-refused and no padding token is ever seen by the caller. Ranks may then hold different numbers
+``layout="zigzag"``: every document is cut into 2·cp chunks whose sizes differ by at most one,
+and rank r holds chunks r and 2cp-1-r of each document, documents in order, so causal work is
+equal on every rank. A document shorter than 2·cp leaves some chunks empty: no document length is
+ever refused and no padding token is ever seen by the caller. ``layout="contiguous"``: the batch,
+as it lies, is cut into cp pieces, and rank r holds piece r; a document may span ranks. Under a
+sliding window a rank then needs the keys of the rank before it only (the ring stops after two
+steps), where zigzag chunks shorter than the window need every rank's. Ranks may then hold different numbers
 of tokens; the collectives move shards padded at the end to the longest one (``shard_len``),
 and no chunk covers a padding row, so padding is never attended and gets no gradient.
 
@@ -140,7 +143,10 @@ class DocumentSharding(ChunkSharding):
 
     @functools.cached_property
     def held(self) -> tuple:
-        """Every document cut into ``pieces`` chunks, rank r taking ``chunk_ids``' chunks of each."""
+        """zigzag: every document cut into 2·cp chunks, rank r taking chunks r and 2cp-1-r of each;
+        contiguous: the batch cut into cp pieces, rank r taking piece r (the parts of documents in it)."""
+        if self.layout == "contiguous":
+            return self._pieces_of_batch()
         pieces = self.cp * chunks_per_rank(self.layout)
         ranks = [([], []) for _ in range(self.cp)]
         rows = [0] * self.cp
@@ -154,6 +160,20 @@ class DocumentSharding(ChunkSharding):
                         ranges.append((start + lo, start + hi))
                         rows[rank] += hi - lo
         return tuple((tuple(chunks), tuple(ranges)) for chunks, ranges in ranks)
+
+    def _pieces_of_batch(self) -> tuple:
+        bounds = chunk_bounds(self.total, self.cp)
+        held = []
+        for lo, hi in itertools.pairwise(bounds):
+            chunks, ranges, row = [], [], 0
+            for document, (start, end) in enumerate(itertools.pairwise(self.cu_seqlens)):
+                a, b = max(start, lo), min(end, hi)
+                if b > a:
+                    chunks.append(Chunk(row, a - start, b - a, document))
+                    ranges.append((a, b))
+                    row += b - a
+            held.append((tuple(chunks), tuple(ranges)))
+        return tuple(held)
 
     @functools.cached_property
     def _cu_seqlens(self) -> torch.Tensor:
