@@ -122,6 +122,13 @@ class Problem:
         reach = max(effective_window(self.is_causal, self.window))
         return min(ranks - 1, -(-reach // self.s_local))
 
+    def ring_step_share(self, ranks: int) -> float:
+        """The share of a shard's K and V a ring step sends: where they go one hop on contiguous
+        shards, only the rows a window reaches (cp/ring.py's halo)."""
+        if self.layout != "contiguous" or not self.bounded_reach() or self.ring_transfers(ranks) != 1:
+            return 1.0
+        return min(1.0, max(effective_window(self.is_causal, self.window)) / self.s_local)
+
     def forward_flops(self) -> float:
         return 2.0 * self.batch * self.h_q * self.s_local * self.visible_keys() * (self.d_qk + self.d_v)
 
@@ -158,7 +165,7 @@ def _ring(p: Problem, hw: Hardware, ranks: int, compute: float, backward: float,
     """(transfer, time, memory) of a ring over ``ranks`` ranks ``stride`` apart: KV forward, KV and
     dKV backward, the backward taking ``backward`` times the forward's compute. Each step also
     pays a fixed overhead and the fp32 merge of the partial output."""
-    step_bytes = p.kv_bytes(p.h_kv)
+    step_bytes = p.kv_bytes(p.h_kv) * p.ring_step_share(ranks)
     step_transfer = step_bytes / (hw.pass_gbps(ranks, stride) * 1e9)
     transfers = p.ring_transfers(ranks)
     merge = 3 * p.batch * p.h_q * p.s_local * (p.d_v + 1) * 4 / (hw.memory_gbps * 1e9)
@@ -254,7 +261,9 @@ def choose(p: Problem, hw: Hardware = Hardware(), strategy: str = "auto") -> tup
     attend each step's per-document tiles, whose costs (fp32 gradient accumulation, filler rows,
     more calls) the model leaves out. Measured on 2 and 4 H200s, 131,072 tokens in 17 documents,
     with and without a window, Ulysses ran 1.1-2.3x faster than the other strategies, where the
-    model chose the all-gather on 2 GPUs (BENCHMARKS.md)."""
+    model chose the all-gather on 2 GPUs (BENCHMARKS.md). The exception is the contiguous layout
+    under a sliding window: there a rank needs the window's rows of the rank before it only, and
+    the ring sends just those and attends the rest locally."""
     table = {}
     for name in STRATEGIES:
         ok, reason = feasible(name, p)

@@ -73,13 +73,13 @@ def test_window_reduces_compute_and_favours_gathering():
 
 
 def test_window_on_contiguous_shards_shortens_the_ring():
-    """A window of 1024 on shards of 8192 needs the keys of one rank back: one transfer, not seven,
-    and then the ring (no all-gather of the whole sequence) wins where Ulysses cannot split the
-    heads. Zigzag shards still pass all."""
+    """A window of 1024 on shards of 8192 needs 1024 keys of one rank back: one transfer of an
+    eighth of a shard, not seven whole ones, and then the ring (no all-gather of the whole
+    sequence) wins where Ulysses cannot split the heads. Zigzag shards still pass all."""
     windowed = dict(s_local=8192, h_q=12, h_kv=12, mesh_shape=(8,), window=(1024, 0))
     contiguous, zigzag = _problem(**windowed, layout="contiguous"), _problem(**windowed)
     assert (contiguous.ring_transfers(8), zigzag.ring_transfers(8)) == (1, 7)
-    assert estimate("ring", contiguous).transfer_s == pytest.approx(estimate("ring", zigzag).transfer_s / 7)
+    assert estimate("ring", contiguous).transfer_s == pytest.approx(estimate("ring", zigzag).transfer_s / 7 / 8)
     assert choose(contiguous)[0] == "ring"
 
 

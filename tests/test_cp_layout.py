@@ -8,7 +8,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from attn_compile.cp.layout import (SequenceSharding, chunks_per_rank, join_shards, shard_sequence, split_sequence,
                                     unshard_sequence)
-from attn_compile.cp.ring import ring_steps
+from attn_compile.cp.ring import halo, ring_steps
 from attn_compile.cp.merge import MergedResult
 from attn_compile.cp.tiles import plan_tiles
 from attn_compile.kernels import attention_forward
@@ -79,6 +79,29 @@ def test_ring_stops_after_the_last_step_a_window_needs(cp):
     assert ring_steps(SequenceSharding(cp, "contiguous", 8), True, (0, 0)) == 1
     assert ring_steps(SequenceSharding(cp, "zigzag", 8), True, (4, 0)) == cp
     assert ring_steps(SequenceSharding(cp, "contiguous", 8), False, (-1, -1)) == cp
+
+
+@pytest.mark.parametrize("layout, window", [("contiguous", (3, 0)), ("contiguous", (8, 0)), ("zigzag", (-1, -1))])
+def test_two_step_ring_sends_only_the_rows_the_next_rank_sees(layout, window):
+    """A ring of two steps sends the rows of the rank before that a rank's queries see, and its
+    calls on them cover those pairs: a window's halo on contiguous shards (none for rank 0), and
+    under a causal zigzag on 2 ranks rank 0's first chunk to rank 1, rank 1's whole shard to rank 0."""
+    cp = 2 if layout == "zigzag" else 4
+    sharding = SequenceSharding(cp, layout, 8)
+    assert ring_steps(sharding, True, window) == 2
+    seq = cp * 8
+    want = visible(torch.arange(seq), torch.arange(seq), *effective_window(True, window)).long()
+    for rank in range(cp):
+        sender = (rank - 1) % cp
+        rows, calls = halo(sharding, True, window, rank, sender)
+        if layout == "contiguous":
+            assert (rows.start, rows.stop) == ((8 - window[0], 8) if rank else (0, 0))
+        else:
+            assert (rows.start, rows.stop) == ((0, 4) if rank else (0, 8))
+        q_positions, k_positions = _positions(sharding.chunks(rank)), _positions(sharding.chunks(sender))[rows]
+        count = covered(calls, q_positions, k_positions, seq)
+        assert torch.equal(count[q_positions][:, k_positions], want[q_positions][:, k_positions])
+        assert count.sum() == want[q_positions][:, _positions(sharding.chunks(sender))].sum()
 
 
 def _merged(q, k, v, parts, dtype=torch.float32):

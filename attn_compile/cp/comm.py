@@ -115,10 +115,11 @@ def received(posted, group):
         yield out
 
 
-def pass_round(tensors, group, tag: int, shift: int = 1):
+def pass_round(tensors, group, tag: int, shift: int = 1, into=None):
     """Posts sends of ``tensors`` to the rank ``shift`` places on round the ring and receives of
-    like tensors from the rank as far back. Returns (received, works); the received tensors are
-    valid after ``wait(works, group)``."""
+    like tensors (or into the contiguous tensors ``into``, where the sizes differ) from the rank
+    as far back. Returns (received, works); the received tensors are valid after
+    ``wait(works, group)``."""
     size = group.size()
     if shift % size == 0:
         return tuple(tensors), []
@@ -126,7 +127,8 @@ def pass_round(tensors, group, tag: int, shift: int = 1):
     next_peer = dist.get_global_rank(group, (rank + shift) % size)
     prev_peer = dist.get_global_rank(group, (rank - shift) % size)
     tensors = [t.contiguous() for t in tensors]
-    received = tuple(torch.empty_like(t) for t in tensors)
-    ops = [dist.P2POp(dist.isend, t, next_peer, group, tag) for t in tensors]
-    ops += [dist.P2POp(dist.irecv, r, prev_peer, group, tag) for r in received]
-    return received, dist.batch_isend_irecv(ops)
+    received = tuple(into) if into is not None else tuple(torch.empty_like(t) for t in tensors)
+    # an empty tensor is not sent: its receiver, which knows the sizes too, posts no receive
+    ops = [dist.P2POp(dist.isend, t, next_peer, group, tag) for t in tensors if t.numel()]
+    ops += [dist.P2POp(dist.irecv, r, prev_peer, group, tag) for r in received if r.numel()]
+    return received, dist.batch_isend_irecv(ops) if ops else []

@@ -5,7 +5,10 @@ NCCL's transfer kernel did not run beside cuDNN's attention kernel, so there the
 (BENCHMARKS.md). In the backward pass dK and dV travel one step behind K and V, and are sent
 home, in k's dtype, after the last step.
 A sliding window may leave the ring's later steps with nothing to see on any rank: the ring
-stops after the last step some rank needs, so those blocks are neither computed nor sent.
+stops after the last step some rank needs, so those blocks are neither computed nor sent. A ring
+of two steps (every ring of two ranks, and a window shorter than a shard on contiguous shards)
+moves each rank's keys one hop only: it sends just the rows the next rank sees (``halo``), and in
+the backward pass their dK and dV come straight home.
 K and V keep their own head count and head dims: no repeat for GQA, no padding for MLA.
 """
 import functools
@@ -17,6 +20,7 @@ from torch import Tensor
 from .checks import check_call, sharding_of
 from .comm import pass_round, resolve
 from .failures import failing_together, wait
+from .layout import Chunk
 from .merge import MergedResult
 from .registration import register_strategy
 from .tiles import attend_tiles, attend_tiles_backward, plan_calls, plan_tiles
@@ -37,9 +41,68 @@ def ring_steps(sharding, is_causal: bool, window: tuple) -> int:
     return 1 + max(needed, default=0)
 
 
+@functools.lru_cache(maxsize=256)
+def halo(sharding, is_causal: bool, window: tuple, q_rank: int, kv_rank: int) -> tuple[slice, tuple]:
+    """(the rows of kv_rank's shard that q_rank's queries see, as one span; q_rank's calls against
+    those rows alone, renumbered from the span's start)."""
+    chunks = sharding.chunks(kv_rank)
+    tiles = plan_tiles(sharding.chunks(q_rank), chunks, is_causal, window)
+    rows = slice(min((t.k_rows.start for t in tiles), default=0), max((t.k_rows.stop for t in tiles), default=0))
+    cut = tuple(Chunk(a - rows.start, chunk.position + a - chunk.row, b - a, chunk.document) for chunk in chunks
+                for a, b in [(max(chunk.row, rows.start), min(chunk.row + chunk.length, rows.stop))] if b > a)
+    return rows, plan_calls(sharding.chunks(q_rank), cut, is_causal, window)
+
+
+def _halo_exchange(tensors, group, tag, send_rows, receive_rows, shift=1, dtype=None):
+    """Sends ``send_rows`` of each (B, H, S, D) tensor ``shift`` ranks on and receives
+    ``receive_rows`` of the like tensors from as far back, in ``dtype`` (the tensors' own where None)."""
+    received = [t.new_empty((*t.shape[:2], receive_rows.stop - receive_rows.start, t.shape[3]),
+                            dtype=dtype or t.dtype) for t in tensors]
+    return pass_round([t[:, :, send_rows].to(dtype or t.dtype) for t in tensors], group, tag, shift, into=received)
+
+
+def halo_forward(q, k, v, group, scale, is_causal, window, sharding):
+    """The ring of two steps: the keys go one hop, so only the rows the next rank sees go (a
+    window's halo on contiguous shards)."""
+    rank, size = group.rank(), group.size()
+    own = _calls(sharding, rank, rank, is_causal, window)
+    send_rows, _ = halo(sharding, is_causal, window, (rank + 1) % size, rank)
+    receive_rows, halo_calls = halo(sharding, is_causal, window, rank, (rank - 1) % size)
+    k, v = sharding.pad(k, 2), sharding.pad(v, 2)
+    (k_halo, v_halo), works = _halo_exchange((k, v), group, KV_TAG, send_rows, receive_rows)
+    result = MergedResult(q, v, [call.q_rows for call in (*own, *halo_calls)])
+    attend_tiles(q, k, v, own, scale, result)
+    wait(works, group)
+    attend_tiles(q, k_halo, v_halo, halo_calls, scale, result)
+    return result.out, result.lse
+
+
+def halo_backward(dout, q, k, v, out, lse, group, scale, is_causal, window, sharding):
+    """``halo_forward``'s gradients: the halo's dK and dV go straight home, where they add on."""
+    rank, size, k_len = group.rank(), group.size(), k.shape[2]
+    own = _calls(sharding, rank, rank, is_causal, window)
+    send_rows, _ = halo(sharding, is_causal, window, (rank + 1) % size, rank)
+    receive_rows, halo_calls = halo(sharding, is_causal, window, rank, (rank - 1) % size)
+    k, v = sharding.pad(k, 2), sharding.pad(v, 2)
+    (k_halo, v_halo), kv_works = _halo_exchange((k, v), group, KV_TAG, send_rows, receive_rows)
+    dq = q.new_zeros(q.shape, dtype=lse.dtype)
+    dk, dv = (x.new_zeros(x.shape, dtype=lse.dtype) for x in (k, v))
+    attend_tiles_backward(dout, q, k, v, out, lse, own, scale, dq, dk, dv)
+    wait(kv_works, group)
+    dk_halo, dv_halo = (x.new_zeros(x.shape, dtype=lse.dtype) for x in (k_halo, v_halo))
+    attend_tiles_backward(dout, q, k_halo, v_halo, out, lse, halo_calls, scale, dq, dk_halo, dv_halo)
+    (dk_back, dv_back), works = _halo_exchange((dk_halo, dv_halo), group, GRAD_TAG, slice(None), send_rows, shift=-1)
+    wait(works, group)
+    dk[:, :, send_rows] += dk_back
+    dv[:, :, send_rows] += dv_back
+    return dq.to(q.dtype), *(g[:, :, :k_len].to(x.dtype).contiguous() for g, x in ((dk, k), (dv, v)))
+
+
 def ring_forward(q, k, v, group, scale, is_causal, window, sharding):
     rank, size = group.rank(), group.size()
     steps = ring_steps(sharding, is_causal, window)
+    if steps == 2:
+        return halo_forward(q, k, v, group, scale, is_causal, window, sharding)
     k, v = sharding.pad(k, 2), sharding.pad(v, 2)
     calls = [_calls(sharding, rank, (rank - step) % size, is_causal, window) for step in range(steps)]
     result = MergedResult(q, v, [call.q_rows for step_calls in calls for call in step_calls])
@@ -56,6 +119,8 @@ def ring_forward(q, k, v, group, scale, is_causal, window, sharding):
 def ring_backward(dout, q, k, v, out, lse, group, scale, is_causal, window, sharding):
     rank, size, k_len = group.rank(), group.size(), k.shape[2]
     steps = ring_steps(sharding, is_causal, window)
+    if steps == 2:
+        return halo_backward(dout, q, k, v, out, lse, group, scale, is_causal, window, sharding)
     k, v = sharding.pad(k, 2), sharding.pad(v, 2)
     dq = q.new_zeros(q.shape, dtype=lse.dtype)
     for step in range(steps):
