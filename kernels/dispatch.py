@@ -172,10 +172,11 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
 
 def merge_into(out, lse, part_out, part_lse, *, into=None) -> None:
     """The running (out, lse) becomes the attention over its keys and part's: lse in place, out in
-    place or, given ``into``, written there (in into's dtype; out is then left as it was). One fused
-    Triton kernel for float32 results on CUDA, else the reference (float64 results, the CPU)."""
-    fused = (merge_forward is not None and out.is_cuda and out.dtype == lse.dtype == torch.float32
-             and capability(out.device) >= (8, 0))
+    place or, given ``into``, written there (in into's dtype; out, which may then be in q's dtype,
+    is left as it was). One fused Triton kernel, computing in float32, for float32 LSEs on CUDA,
+    else the reference (float64 results, the CPU)."""
+    fused = (merge_forward is not None and out.is_cuda and lse.dtype == torch.float32
+             and (out.dtype == torch.float32 or into is not None) and capability(out.device) >= (8, 0))
     if fused:
         merge_forward(out, lse, part_out, part_lse, out=out if into is None else into, lse=lse)
     else:

@@ -130,6 +130,20 @@ def test_merge_of_disjoint_key_sets_is_their_joint_attention():
     assert torch.allclose(result.lse, scores.logsumexp(-1).float())
 
 
+def test_rows_of_two_parts_merge_from_the_first_part_uncopied():
+    """A row of two parts merges its first part where it lies: no float32 running copy is made
+    (the first part of a ring step comes in q's dtype), and the result is the joint attention."""
+    torch.manual_seed(2)
+    q, k, v = torch.randn(1, 2, 6, 8), torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8)
+    parts = [(slice(0, 6), slice(0, 6)), (slice(3, 6), slice(6, 12))]  # a ring step of 2 on zigzag
+    result = _merged(q, k, v, parts)
+    assert result._running is None
+    joint = attention_forward(q[:, :, 3:], k, v, scale=8 ** -0.5)
+    assert rel_err(result.out[:, :, 3:], joint[0]) <= 1e-6 and torch.allclose(result.lse[:, :, 3:], joint[1])
+    assert torch.equal(result.out[:, :, :3], attention_forward(q[:, :, :3], k[:, :, :6], v[:, :, :6],
+                                                               scale=8 ** -0.5)[0])
+
+
 def test_merge_rounds_once_to_the_output_dtype():
     """bfloat16 queries: the parts merge in float32 and the last merge rounds, so the output is
     the float32 merge rounded once."""

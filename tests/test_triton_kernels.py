@@ -393,6 +393,21 @@ def test_merge_in_place_into_rows_of_a_running_result():
     assert rel_err(out, want_out) <= 1e-6 and rel_err(lse[lse.isfinite()], want_lse[want_lse.isfinite()]) <= 1e-6
 
 
+def test_merge_of_a_first_part_kept_in_bf16_into_the_output():
+    """As a row of two parts merges: the first part's bf16 output, where it lies, with the second
+    part, written into the bf16 output rows: float32 arithmetic, one rounding."""
+    torch.manual_seed(9)
+    first, second = (torch.randn(2, 3, 16, 24, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    lse_first, lse_second = torch.randn(2, 3, 16, device=DEVICE), torch.randn(2, 3, 16, device=DEVICE)
+    lse_second[:, :, ::4] = float("-inf")
+    want_out, want_lse = first.float(), lse_first.clone()
+    reference.merge_into(want_out, want_lse, second.float(), lse_second)
+    out, lse = torch.empty(2, 3, 40, 24, device=DEVICE, dtype=torch.bfloat16), lse_first.clone()
+    ta.merge_forward(first, lse, second, lse_second, out=out[:, :, 8:24], lse=lse)
+    assert rel_err(out[:, :, 8:24], want_out) <= 4e-3  # bf16's rounding, once
+    assert rel_err(lse, want_lse) <= 1e-6
+
+
 def _bad_calls():
     q, k, v = make_qkv("gqa", s_q=8, requires_grad=False)
     out, lse = torch.zeros(*q.shape[:-1], v.shape[-1]), torch.zeros(q.shape[:-1])
