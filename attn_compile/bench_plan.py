@@ -23,14 +23,14 @@ HEADS = {  # name: (h_q, h_kv, d_qk, d_v), as bench cp runs them
 }
 
 # Measured fwd+bwd TFLOP/s per GPU of `bench cp` (bf16, causal, batch 1, zigzag), by
-# (GPUs, heads, global tokens): {strategy: TFLOP/s}; the hybrid ran on a (2, 2) mesh.
-# NVIDIA H200s (NVLink) of one 4-GPU host (2 of them for 2 GPUs), 2026-11-27, commit a6c5d37,
-# torch 2.11.0+cu130, flash-attn-4 4.0.0b36 inside the single-GPU op.
+# (GPUs, heads, global tokens): {strategy: TFLOP/s}; the hybrid ran on a (2, 2) mesh. NVIDIA
+# H200s (NVLink), torch 2.11.0+cu130, flash-attn-4 4.0.0b36 inside the single-GPU op, 2026-11-27:
+# 2 GPUs on a 2-GPU host at eff116c, 4 GPUs on a 4-GPU host at a6c5d37.
 MEASURED = {
-    (2, "GQA 32/8 d128", 65536): dict(ring=588, allgather=586, ulysses=588),
-    (2, "GQA 32/8 d128", 131072): dict(ring=605, allgather=608, ulysses=608),
-    (2, "MLA 16h 192/128", 65536): dict(ring=478, allgather=466, ulysses=491),
-    (2, "MLA 16h 192/128", 131072): dict(ring=507, allgather=500, ulysses=513),
+    (2, "GQA 32/8 d128", 65536): dict(ring=593, allgather=580, ulysses=587),
+    (2, "GQA 32/8 d128", 131072): dict(ring=604, allgather=602, ulysses=602),
+    (2, "MLA 16h 192/128", 65536): dict(ring=492, allgather=467, ulysses=486),
+    (2, "MLA 16h 192/128", 131072): dict(ring=504, allgather=497, ulysses=511),
     (4, "GQA 32/8 d128", 65536): dict(ring=562, allgather=550, ulysses=584, hybrid=564),
     (4, "GQA 32/8 d128", 131072): dict(ring=578, allgather=590, ulysses=600, hybrid=582),
     (4, "MLA 16h 192/128", 65536): dict(ring=429, allgather=413, ulysses=485, hybrid=459),
@@ -40,8 +40,8 @@ MEASURED = {
 # The same runs' single-GPU op on the same per-GPU work and PyTorch's context_parallel (the better
 # rotate method), fwd+bwd TFLOP/s per GPU, by (GPUs, heads, global tokens).
 LOCAL_AND_PYTORCH = {
-    (2, "GQA 32/8 d128", 65536): (626, 527), (2, "GQA 32/8 d128", 131072): (625, 542),
-    (2, "MLA 16h 192/128", 65536): (529, 381), (2, "MLA 16h 192/128", 131072): (532, 386),
+    (2, "GQA 32/8 d128", 65536): (620, 518), (2, "GQA 32/8 d128", 131072): (618, 534),
+    (2, "MLA 16h 192/128", 65536): (533, 380), (2, "MLA 16h 192/128", 131072): (528, 378),
     (4, "GQA 32/8 d128", 65536): (619, 490), (4, "GQA 32/8 d128", 131072): (620, 518),
     (4, "MLA 16h 192/128", 65536): (534, 326), (4, "MLA 16h 192/128", 131072): (529, 350),
 }

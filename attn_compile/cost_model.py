@@ -164,17 +164,20 @@ def _ring(p: Problem, hw: Hardware, ranks: int, compute: float, backward: float,
           ) -> tuple[float, float, float]:
     """(transfer, time, memory) of a ring over ``ranks`` ranks ``stride`` apart: KV forward, KV and
     dKV backward, the backward taking ``backward`` times the forward's compute. Each step also
-    pays a fixed overhead and the fp32 merge of the partial output."""
+    pays a fixed overhead and the fp32 merge of the partial output; in the backward that pass
+    stands for the fp32 dK and dV each step of a longer ring zeroes, adds to and passes on (fitted),
+    which a ring of two steps, whose dK and dV go home once (cp/ring.py's halo), does not pay."""
     step_bytes = p.kv_bytes(p.h_kv) * p.ring_step_share(ranks)
     step_transfer = step_bytes / (hw.pass_gbps(ranks, stride) * 1e9)
     transfers = p.ring_transfers(ranks)
     merge = 3 * p.batch * p.h_q * p.s_local * (p.d_v + 1) * 4 / (hw.memory_gbps * 1e9)
-    step_compute = compute / (transfers + 1) + merge + hw.step_overhead_s
+    forward_step = compute / (transfers + 1) + merge + hw.step_overhead_s
+    backward_step = backward * (compute / (transfers + 1) + merge * (transfers > 1) + hw.step_overhead_s)
     def step(compute_s, transfer_s):  # a step's compute, the transfer it cannot hide, or the whole transfer
         return max(compute_s + (1 - hw.ring_overlap) * transfer_s, transfer_s)
 
-    fwd = step_compute + transfers * step(step_compute, step_transfer)
-    bwd = backward * step_compute + transfers * step(backward * step_compute, 2 * step_transfer)
+    fwd = forward_step + transfers * step(forward_step, step_transfer)
+    bwd = backward_step + transfers * step(backward_step, 2 * step_transfer)
     return 3 * transfers * step_transfer, fwd + bwd, 3 * step_bytes
 
 

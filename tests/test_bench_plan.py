@@ -59,8 +59,8 @@ def test_validation_prints_the_model_error_against_measured_tables(capsys):
     assert sum(" hybrid " in row and " 2x2 " in row for row in rows) == 4
     summary = re.fullmatch(r"  mean \|error\| (\d+\.\d)% over 28 points; the model's fastest is the measured "
                            r"fastest in (\d) of 8 shapes, and measured at (\d\.\d+) of it or more", out[-1])
-    # the other two shapes (GQA on 2 GPUs) measured the model's pick tied with the fastest (588, 608)
-    assert summary and float(summary[1]) < 2.0 and int(summary[2]) >= 6 and float(summary[3]) >= 0.99, out[-1]
+    # the other shape (MLA at 64K on 2 GPUs) measured the model's pick, Ulysses, at 486 against the ring's 492
+    assert summary and float(summary[1]) < 2.0 and int(summary[2]) >= 7 and float(summary[3]) >= 0.985, out[-1]
 
 
 def test_efficiency_against_gpu_count():
