@@ -14,10 +14,10 @@ from dist_harness import run_distributed
 
 
 def test_auto_row_names_the_choice_and_its_ratios():
-    """GQA 32/8 d128 on 2 ranks at 64K tokens: the cost model chooses Ulysses (see test_cost_model)."""
+    """GQA 32/8 d128 on 2 ranks at 64K tokens: the cost model chooses the ring (see test_cost_model)."""
     q, k, v = (torch.empty(1, h, 32768, 128, dtype=torch.bfloat16) for h in (32, 8, 8))
     name = bench.auto_name(q, k, v, (SimpleNamespace(size=lambda: 2),))
-    assert name == "auto -> ulysses"
+    assert name == "auto -> ring"
     row = bench._row(name, [400.0, 380.0], local=[500.0, 400.0], peer=[380.0, 361.0])
     assert row[:30] == f"  {name:28s}", "the name in the strategies' column"
     assert row[30:].split() == ["400", "380", "0.80", "/", "0.95", "1.05", "/", "1.05"], row

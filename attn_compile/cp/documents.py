@@ -5,10 +5,12 @@ and rank r holds chunks r and 2cp-1-r of each document, documents in order, so c
 equal on every rank. A document shorter than 2·cp leaves some chunks empty: no document length is
 ever refused and no padding token is ever seen by the caller. ``layout="contiguous"``: the batch,
 as it lies, is cut into cp pieces, and rank r holds piece r; a document may span ranks. Under a
-sliding window a rank then needs the keys of the rank before it only (the ring stops after two
-steps), where zigzag chunks shorter than the window need every rank's. Ranks may then hold different numbers
-of tokens; the collectives move shards padded at the end to the longest one (``shard_len``),
-and no chunk covers a padding row, so padding is never attended and gets no gradient.
+sliding window shorter than a piece a rank then needs the keys of the rank before it only (a ring
+of two steps), where zigzag chunks shorter than the window need every rank's.
+
+Ranks may hold different numbers of tokens; the collectives move shards padded at the end to the
+longest one (``shard_len``), and no chunk covers a padding row, so padding is never attended and
+gets no gradient.
 
 The hybrid strategy joins the shards of each inner mesh group into one buffer and runs a ring
 over those buffers: ``hybrid_shardings`` describes both levels (their chunks are uneven too).

@@ -53,23 +53,29 @@ def halo(sharding, is_causal: bool, window: tuple, q_rank: int, kv_rank: int) ->
     return rows, plan_calls(sharding.chunks(q_rank), cut, is_causal, window)
 
 
-def _halo_exchange(tensors, group, tag, send_rows, receive_rows, shift=1, dtype=None):
+def _halo_exchange(tensors, group, tag, send_rows, receive_rows, shift=1):
     """Sends ``send_rows`` of each (B, H, S, D) tensor ``shift`` ranks on and receives
-    ``receive_rows`` of the like tensors from as far back, in ``dtype`` (the tensors' own where None)."""
-    received = [t.new_empty((*t.shape[:2], receive_rows.stop - receive_rows.start, t.shape[3]),
-                            dtype=dtype or t.dtype) for t in tensors]
-    return pass_round([t[:, :, send_rows].to(dtype or t.dtype) for t in tensors], group, tag, shift, into=received)
+    ``receive_rows`` of the like tensors from as far back."""
+    received = [t.new_empty((*t.shape[:2], receive_rows.stop - receive_rows.start, t.shape[3])) for t in tensors]
+    return pass_round([t[:, :, send_rows] for t in tensors], group, tag, shift, into=received)
+
+
+def _two_steps(k, v, group, is_causal, window, sharding):
+    """What both passes of a ring of two steps start with: (this rank's calls to its own keys, its
+    calls to the halo, the rows of its shard the next rank sees, (k, v) padded, the halo's (k, v)
+    once ``works`` are waited for, works)."""
+    rank, size = group.rank(), group.size()
+    send_rows, _ = halo(sharding, is_causal, window, (rank + 1) % size, rank)
+    receive_rows, halo_calls = halo(sharding, is_causal, window, rank, (rank - 1) % size)
+    k, v = sharding.pad(k, 2), sharding.pad(v, 2)
+    received, works = _halo_exchange((k, v), group, KV_TAG, send_rows, receive_rows)
+    return _calls(sharding, rank, rank, is_causal, window), halo_calls, send_rows, (k, v), received, works
 
 
 def halo_forward(q, k, v, group, scale, is_causal, window, sharding):
     """The ring of two steps: the keys go one hop, so only the rows the next rank sees go (a
     window's halo on contiguous shards)."""
-    rank, size = group.rank(), group.size()
-    own = _calls(sharding, rank, rank, is_causal, window)
-    send_rows, _ = halo(sharding, is_causal, window, (rank + 1) % size, rank)
-    receive_rows, halo_calls = halo(sharding, is_causal, window, rank, (rank - 1) % size)
-    k, v = sharding.pad(k, 2), sharding.pad(v, 2)
-    (k_halo, v_halo), works = _halo_exchange((k, v), group, KV_TAG, send_rows, receive_rows)
+    own, halo_calls, _, (k, v), (k_halo, v_halo), works = _two_steps(k, v, group, is_causal, window, sharding)
     result = MergedResult(q, v, [call.q_rows for call in (*own, *halo_calls)])
     attend_tiles(q, k, v, own, scale, result)
     wait(works, group)
@@ -78,24 +84,21 @@ def halo_forward(q, k, v, group, scale, is_causal, window, sharding):
 
 
 def halo_backward(dout, q, k, v, out, lse, group, scale, is_causal, window, sharding):
-    """``halo_forward``'s gradients: the halo's dK and dV go straight home, where they add on."""
-    rank, size, k_len = group.rank(), group.size(), k.shape[2]
-    own = _calls(sharding, rank, rank, is_causal, window)
-    send_rows, _ = halo(sharding, is_causal, window, (rank + 1) % size, rank)
-    receive_rows, halo_calls = halo(sharding, is_causal, window, rank, (rank - 1) % size)
-    k, v = sharding.pad(k, 2), sharding.pad(v, 2)
-    (k_halo, v_halo), kv_works = _halo_exchange((k, v), group, KV_TAG, send_rows, receive_rows)
+    """``halo_forward``'s gradients: the halo's dK and dV go straight home, in float32, and add on there."""
+    k_len, dtypes = k.shape[2], (k.dtype, v.dtype)
+    own, halo_calls, send_rows, (k, v), (k_halo, v_halo), works = _two_steps(k, v, group, is_causal, window,
+                                                                              sharding)
     dq = q.new_zeros(q.shape, dtype=lse.dtype)
     dk, dv = (x.new_zeros(x.shape, dtype=lse.dtype) for x in (k, v))
     attend_tiles_backward(dout, q, k, v, out, lse, own, scale, dq, dk, dv)
-    wait(kv_works, group)
+    wait(works, group)
     dk_halo, dv_halo = (x.new_zeros(x.shape, dtype=lse.dtype) for x in (k_halo, v_halo))
     attend_tiles_backward(dout, q, k_halo, v_halo, out, lse, halo_calls, scale, dq, dk_halo, dv_halo)
     (dk_back, dv_back), works = _halo_exchange((dk_halo, dv_halo), group, GRAD_TAG, slice(None), send_rows, shift=-1)
     wait(works, group)
     dk[:, :, send_rows] += dk_back
     dv[:, :, send_rows] += dv_back
-    return dq.to(q.dtype), *(g[:, :, :k_len].to(x.dtype).contiguous() for g, x in ((dk, k), (dv, v)))
+    return dq.to(q.dtype), *(g[:, :, :k_len].to(dtype).contiguous() for g, dtype in zip((dk, dv), dtypes))
 
 
 def ring_forward(q, k, v, group, scale, is_causal, window, sharding):
