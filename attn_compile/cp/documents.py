@@ -309,7 +309,8 @@ def shard_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, group, layout: str =
     """(x_local, cu_seqlens_local): this rank's tokens of the packed batch ``x`` (total, ...) and the
     cumulative lengths of its part of each document (no communication; differentiable).
 
-    A document's two chunks are adjacent in x_local; cu_seqlens_local is int32, on x's device."""
+    ``layout="zigzag"``: a document's two chunks are adjacent in x_local; ``"contiguous"``: x_local
+    is the rank's piece of the batch as it lies. cu_seqlens_local is int32, on x's device."""
     groups = process_groups(group)
     sharding = _sharding(cu_seqlens, groups, layout, total=x.shape[0])
     rank = cp_rank(groups)
