@@ -90,13 +90,19 @@ def _row_block(Starts, n_cols, dim2, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexp
 
 
 @triton.jit
+def _ptrs(Base, rows, heads, dims, stride0, stride1, stride2):
+    """Pointers to the (rows, heads x dims) block of a packed (rows, H, D) tensor of these strides."""
+    return Base + rows[:, None] * stride0 + (heads * stride1 + dims * stride2)[None, :]
+
+
+@triton.jit
 def _fill_runs_kernel(Into, Starts, Lengths, value, n_cols, dim2, stride_i0, stride_i1, stride_i2,
                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     length = tl.load(Lengths + tl.program_id(1))
     if tl.program_id(0) * BLOCK_R >= length:
         return
     within, rows, heads, dims, cols_ok = _row_block(Starts, n_cols, dim2, BLOCK_R, BLOCK_C)
-    ptrs = Into + rows[:, None] * stride_i0 + (heads * stride_i1 + dims * stride_i2)[None, :]
+    ptrs = _ptrs(Into, rows, heads, dims, stride_i0, stride_i1, stride_i2)
     tl.store(ptrs, tl.full((BLOCK_R, BLOCK_C), value, tl.float32).to(Into.dtype.element_ty),
              mask=(within < length)[:, None] & cols_ok[None, :])
 
@@ -115,12 +121,12 @@ def _finish_key_grads_kernel(Grad, Part, Rows, Starts, Lengths, PartKeys, s, n_c
     if (block_first >= first + added) & (block_first + BLOCK_R <= first + length):
         return  # run rows with nothing to add: as the first call wrote them
     within, rows, heads, dims, cols_ok = _row_block(Rows, n_cols, dim2, BLOCK_R, BLOCK_C)
-    ptrs = Grad + rows[:, None] * stride_g0 + (heads * stride_g1 + dims * stride_g2)[None, :]
+    ptrs = _ptrs(Grad, rows, heads, dims, stride_g0, stride_g1, stride_g2)
     value = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)  # padding keys: no query sees them
     summed = (within >= first) & (within < first + added)
     if HAS_PART:
         both = summed[:, None] & cols_ok[None, :]
-        part_ptrs = Part + rows[:, None] * stride_p0 + (heads * stride_p1 + dims * stride_p2)[None, :]
+        part_ptrs = _ptrs(Part, rows, heads, dims, stride_p0, stride_p1, stride_p2)
         value = tl.where(both, tl.load(ptrs, mask=both, other=0.0).to(tl.float32)
                          + tl.load(part_ptrs, mask=both, other=0.0).to(tl.float32), value)
     padding = (within < first) | (within >= first + length)

@@ -142,8 +142,9 @@ def exchange_backward(dout, heads, kv_heads, group, sharding, attend_backward):
 
 def head_rows_bound(local_len: int, documents: int, cp: int, layout: str) -> int:
     """The most rows packed documents' head shards can hold on a group of ``cp`` ranks, from this
-    rank's ``local_len`` rows alone: another rank's part of a document is at most one row per
-    chunk longer than this rank's (chunks_per_rank)."""
+    rank's ``local_len`` rows alone: on zigzag shards another rank's part of a document is at most
+    one row per chunk longer than this rank's (chunks_per_rank); on contiguous ones another rank's
+    piece is at most one row longer in all, which the same bound covers."""
     return cp * (local_len + chunks_per_rank(layout) * documents)
 
 
