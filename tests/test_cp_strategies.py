@@ -167,3 +167,44 @@ def _exchange_order(rank, world):
 
 def test_ulysses_posts_every_exchange_before_it_waits():
     run_distributed(_exchange_order, 2)
+
+
+class _NcclStandIn:
+    """What comm.transfer_group reads of torch's NCCL process group class (CI's torch has none)."""
+
+    class Options:
+        is_high_priority_stream = False
+
+
+def test_ring_transfers_run_on_a_high_priority_twin_of_an_nccl_group(monkeypatch):
+    """One twin per NCCL group, over the same ranks, made with high-priority streams; the ring's
+    sends and receives are posted on it, and a gloo group is its own twin."""
+    from attn_compile.cp import comm
+    made, posted = [], []
+
+    class Group:
+        def size(self):
+            return 4
+
+        def rank(self):
+            return 1
+
+    nccl_group, gloo_group = Group(), Group()
+    monkeypatch.setattr(comm.dist, "get_backend", lambda g: "nccl" if g is nccl_group else "gloo")
+    monkeypatch.setattr(comm.dist, "ProcessGroupNCCL", _NcclStandIn, raising=False)
+    monkeypatch.setattr(comm.dist, "get_process_group_ranks", lambda g: [4, 5, 6, 7])
+    monkeypatch.setattr(comm.dist, "get_global_rank", lambda g, rank: 4 + rank)
+    monkeypatch.setattr(comm.dist, "new_group", lambda ranks, **options: made.append((ranks, options)) or "twin")
+    monkeypatch.setattr(comm.dist, "P2POp", lambda op, t, peer, group, tag: posted.append((op, peer, group)))
+    monkeypatch.setattr(comm.dist, "batch_isend_irecv", lambda ops: ["work"])
+    comm.transfer_group.cache_clear()
+    try:
+        for _ in range(2):
+            received, works = comm.pass_round((torch.randn(2, 3),), nccl_group, 0)
+        assert comm.transfer_group(gloo_group) is gloo_group
+    finally:
+        comm.transfer_group.cache_clear()
+    ((ranks, options),) = made
+    assert ranks == [4, 5, 6, 7] and options["backend"] == "nccl" and options["use_local_synchronization"]
+    assert options["pg_options"].is_high_priority_stream
+    assert posted == [(comm.dist.isend, 6, "twin"), (comm.dist.irecv, 4, "twin")] * 2 and works == ["work"]

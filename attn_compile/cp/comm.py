@@ -115,11 +115,27 @@ def received(posted, group):
         yield out
 
 
+@functools.lru_cache(maxsize=None)
+def transfer_group(group):
+    """The group the ring's transfers run on: for NCCL, a twin of ``group`` whose streams have
+    high priority. A transfer posted beside an attention kernel then starts as soon as one of
+    that kernel's blocks finishes; on a stream of normal priority it waited for the whole kernel,
+    whose blocks were queued first (the ring's forward on 4 H200s, MLA at 64K tokens: 510
+    TFLOP/s per GPU, 623 with the twin; BENCHMARKS.md). The twin is one more NCCL communicator
+    over the same ranks, made on their first transfer; gloo groups are their own."""
+    if dist.get_backend(group) != "nccl":
+        return group
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = True
+    return dist.new_group(dist.get_process_group_ranks(group), backend="nccl", pg_options=options,
+                          use_local_synchronization=True, group_desc="attn_cp transfers")
+
+
 def pass_round(tensors, group, tag: int, shift: int = 1, into=None):
     """Posts sends of ``tensors`` to the rank ``shift`` places on round the ring and receives of
     like tensors (or into the contiguous tensors ``into``, where the sizes differ) from the rank
-    as far back. Returns (received, works); the received tensors are valid after
-    ``wait(works, group)``."""
+    as far back, on ``transfer_group(group)``. Returns (received, works); the received tensors
+    are valid after ``wait(works, group)``."""
     size = group.size()
     if shift % size == 0:
         return tuple(tensors), []
@@ -128,7 +144,8 @@ def pass_round(tensors, group, tag: int, shift: int = 1, into=None):
     prev_peer = dist.get_global_rank(group, (rank - shift) % size)
     tensors = [t.contiguous() for t in tensors]
     received = tuple(into) if into is not None else tuple(torch.empty_like(t) for t in tensors)
+    twin = transfer_group(group)
     # an empty tensor is not sent: its receiver, which knows the sizes too, posts no receive
-    ops = [dist.P2POp(dist.isend, t, next_peer, group, tag) for t in tensors if t.numel()]
-    ops += [dist.P2POp(dist.irecv, r, prev_peer, group, tag) for r in received if r.numel()]
+    ops = [dist.P2POp(dist.isend, t, next_peer, twin, tag) for t in tensors if t.numel()]
+    ops += [dist.P2POp(dist.irecv, r, prev_peer, twin, tag) for r in received if r.numel()]
     return received, dist.batch_isend_irecv(ops) if ops else []

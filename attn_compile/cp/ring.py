@@ -1,9 +1,9 @@
 """Ring attention: K and V travel round the ring while each rank attends its queries to them.
 
-Step i's transfer is posted before step i's compute so that the two can overlap; on H200s
-NCCL's transfer kernel did not run beside cuDNN's attention kernel, so there they did not
-(BENCHMARKS.md). In the backward pass dK and dV travel one step behind K and V, and are sent
-home, in k's dtype, after the last step.
+Step i's transfer is posted before step i's compute so that the two overlap. The transfers run
+on high-priority streams (``comm.transfer_group``): on a stream of normal priority NCCL's
+transfer kernel waited for the attention kernel beside it to finish. In the backward pass dK and
+dV travel one step behind K and V, and are sent home, in k's dtype, after the last step.
 A sliding window may leave the ring's later steps with nothing to see on any rank: the ring
 stops after the last step some rank needs, so those blocks are neither computed nor sent. A ring
 of two steps (every ring of two ranks, and a window shorter than a shard on contiguous shards)
