@@ -121,7 +121,7 @@ def transfer_group(group):
     high priority. A transfer posted beside an attention kernel then starts as soon as one of
     that kernel's blocks finishes; on a stream of normal priority it waited for the whole kernel,
     whose blocks were queued first (the ring's forward on 4 H200s, MLA at 64K tokens: 510
-    TFLOP/s per GPU, 623 with the twin; BENCHMARKS.md). The twin is one more NCCL communicator
+    TFLOP/s per GPU, 636 with the twin; BENCHMARKS.md). The twin is one more NCCL communicator
     over the same ranks, made on their first transfer; gloo groups are their own."""
     if dist.get_backend(group) != "nccl":
         return group
