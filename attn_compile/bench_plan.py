@@ -25,25 +25,25 @@ HEADS = {  # name: (h_q, h_kv, d_qk, d_v), as bench cp runs them
 # Measured fwd+bwd TFLOP/s per GPU of `bench cp` (bf16, causal, batch 1, zigzag), by
 # (GPUs, heads, global tokens): {strategy: TFLOP/s}; the hybrid ran on a (2, 2) mesh. NVIDIA
 # H200s (NVLink), torch 2.11.0+cu130, flash-attn-4 4.0.0b36 inside the single-GPU op, 2026-11-27:
-# 2 GPUs on a 2-GPU host at eff116c, 4 GPUs on a 4-GPU host at a6c5d37.
+# 4 GPUs, and GPUs 0 and 1 of the same 4-GPU host (beside GPU tests on its GPUs 2 and 3), at 9394d17.
 MEASURED = {
-    (2, "GQA 32/8 d128", 65536): dict(ring=593, allgather=580, ulysses=587),
-    (2, "GQA 32/8 d128", 131072): dict(ring=604, allgather=602, ulysses=602),
-    (2, "MLA 16h 192/128", 65536): dict(ring=492, allgather=467, ulysses=486),
-    (2, "MLA 16h 192/128", 131072): dict(ring=504, allgather=497, ulysses=511),
-    (4, "GQA 32/8 d128", 65536): dict(ring=562, allgather=550, ulysses=584, hybrid=564),
-    (4, "GQA 32/8 d128", 131072): dict(ring=578, allgather=590, ulysses=600, hybrid=582),
-    (4, "MLA 16h 192/128", 65536): dict(ring=429, allgather=413, ulysses=485, hybrid=459),
-    (4, "MLA 16h 192/128", 131072): dict(ring=471, allgather=470, ulysses=506, hybrid=484),
+    (2, "GQA 32/8 d128", 65536): dict(ring=593, allgather=580, ulysses=583),
+    (2, "GQA 32/8 d128", 131072): dict(ring=606, allgather=601, ulysses=605),
+    (2, "MLA 16h 192/128", 65536): dict(ring=478, allgather=467, ulysses=485),
+    (2, "MLA 16h 192/128", 131072): dict(ring=507, allgather=496, ulysses=510),
+    (4, "GQA 32/8 d128", 65536): dict(ring=562, allgather=553, ulysses=583, hybrid=564),
+    (4, "GQA 32/8 d128", 131072): dict(ring=575, allgather=585, ulysses=595, hybrid=584),
+    (4, "MLA 16h 192/128", 65536): dict(ring=447, allgather=416, ulysses=484, hybrid=459),
+    (4, "MLA 16h 192/128", 131072): dict(ring=470, allgather=467, ulysses=501, hybrid=486),
 }
 
 # The same runs' single-GPU op on the same per-GPU work and PyTorch's context_parallel (the better
 # rotate method), fwd+bwd TFLOP/s per GPU, by (GPUs, heads, global tokens).
 LOCAL_AND_PYTORCH = {
-    (2, "GQA 32/8 d128", 65536): (620, 518), (2, "GQA 32/8 d128", 131072): (618, 534),
-    (2, "MLA 16h 192/128", 65536): (533, 380), (2, "MLA 16h 192/128", 131072): (528, 378),
-    (4, "GQA 32/8 d128", 65536): (619, 490), (4, "GQA 32/8 d128", 131072): (620, 518),
-    (4, "MLA 16h 192/128", 65536): (534, 326), (4, "MLA 16h 192/128", 131072): (529, 350),
+    (2, "GQA 32/8 d128", 65536): (619, 517), (2, "GQA 32/8 d128", 131072): (617, 534),
+    (2, "MLA 16h 192/128", 65536): (524, 382), (2, "MLA 16h 192/128", 131072): (525, 386),
+    (4, "GQA 32/8 d128", 65536): (615, 486), (4, "GQA 32/8 d128", 131072): (613, 507),
+    (4, "MLA 16h 192/128", 65536): (529, 324), (4, "MLA 16h 192/128", 131072): (523, 349),
 }
 
 ASSUMPTIONS = (

@@ -45,9 +45,10 @@ class Hardware:
     gpus_per_node: int = 0
     internode_gbps: float = 50.0  # each way per GPU: one 400 Gb/s network port per GPU
     gpu_memory_gb: float = 80.0  # what one GPU holds, for ``options``' memory check
-    # The share of a ring step's transfer that runs beside the step's compute: 0 where the transfer's
-    # kernel does not run beside the attention kernel, as NCCL's did not beside cuDNN's on H200s
-    # (BENCHMARKS.md); the FA4 runs fit 0 best too (bench plan --validate)
+    # The share of a ring step's transfer that runs beside the step's compute, fwd+bwd. The ring's
+    # transfers run on high-priority streams (cp/comm.py's transfer_group), which hides most of the
+    # forward's (MLA 64K on 4 H200s: forward 510 to 636 TFLOP/s), but fwd+bwd rose 0.5-4.9%, which
+    # 0 fits best (bench plan --validate: the measured fastest in 8 of 8 shapes, 7 at 0.25)
     ring_overlap: float = 0.0
 
     def spans_nodes(self, ranks: int, stride: int = 1) -> bool:

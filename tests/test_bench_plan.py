@@ -59,17 +59,16 @@ def test_validation_prints_the_model_error_against_measured_tables(capsys):
     assert sum(" hybrid " in row and " 2x2 " in row for row in rows) == 4
     summary = re.fullmatch(r"  mean \|error\| (\d+\.\d)% over 28 points; the model's fastest is the measured "
                            r"fastest in (\d) of 8 shapes, and measured at (\d\.\d+) of it or more", out[-1])
-    # the other shape (MLA at 64K on 2 GPUs) measured the model's pick, Ulysses, at 486 against the ring's 492
-    assert summary and float(summary[1]) < 2.0 and int(summary[2]) >= 7 and float(summary[3]) >= 0.985, out[-1]
+    assert summary and float(summary[1]) < 2.0 and summary.groups()[1:] == ("8", "1.000"), out[-1]
 
 
 def test_efficiency_against_gpu_count():
     """The plot's points: the best measured strategy and PyTorch's context_parallel over the
-    single-GPU op, one GPU at 1.0 (4x H200, GQA 32/8 at 128K: Ulysses 600 / 620 and 518 / 620)."""
+    single-GPU op, one GPU at 1.0 (4x H200, GQA 32/8 at 128K: Ulysses 595 / 613 and 507 / 613)."""
     from attn_compile import bench_plan
 
     curves = bench_plan.efficiency()
     assert set(curves) == {(name, seq) for _, name, seq in bench_plan.MEASURED}
     gqa = curves["GQA 32/8 d128", 131072]
     assert [gpus for gpus, _ in gqa["attn_cp"]] == [1, 2, 4]
-    assert abs(gqa["attn_cp"][2][1] - 600 / 620) < 1e-9 and abs(gqa["PyTorch"][2][1] - 518 / 620) < 1e-9
+    assert abs(gqa["attn_cp"][2][1] - 595 / 613) < 1e-9 and abs(gqa["PyTorch"][2][1] - 507 / 613) < 1e-9
