@@ -176,35 +176,48 @@ class _NcclStandIn:
         is_high_priority_stream = False
 
 
-def test_ring_transfers_run_on_a_high_priority_twin_of_an_nccl_group(monkeypatch):
-    """One twin per NCCL group, over the same ranks, made with high-priority streams; the ring's
-    sends and receives are posted on it, and a gloo group is its own twin."""
+class _Group:
+    def __init__(self, backend):
+        self.backend = backend
+
+    def size(self):
+        return 4
+
+    def rank(self):
+        return 1
+
+
+def test_cuda_transfers_get_one_high_priority_twin_per_nccl_group(monkeypatch):
+    """Over the same ranks, made with high-priority streams, for CUDA tensors on a group with an
+    NCCL backend (alone, or beside gloo as init_process_group() makes it by default)."""
     from attn_compile.cp import comm
-    made, posted = [], []
-
-    class Group:
-        def size(self):
-            return 4
-
-        def rank(self):
-            return 1
-
-    nccl_group, gloo_group = Group(), Group()
-    monkeypatch.setattr(comm.dist, "get_backend", lambda g: "nccl" if g is nccl_group else "gloo")
+    made = []
+    monkeypatch.setattr(comm.dist, "get_backend", lambda group: group.backend)
     monkeypatch.setattr(comm.dist, "ProcessGroupNCCL", _NcclStandIn, raising=False)
-    monkeypatch.setattr(comm.dist, "get_process_group_ranks", lambda g: [4, 5, 6, 7])
-    monkeypatch.setattr(comm.dist, "get_global_rank", lambda g, rank: 4 + rank)
+    monkeypatch.setattr(comm.dist, "get_process_group_ranks", lambda group: [4, 5, 6, 7])
     monkeypatch.setattr(comm.dist, "new_group", lambda ranks, **options: made.append((ranks, options)) or "twin")
-    monkeypatch.setattr(comm.dist, "P2POp", lambda op, t, peer, group, tag: posted.append((op, peer, group)))
-    monkeypatch.setattr(comm.dist, "batch_isend_irecv", lambda ops: ["work"])
+    nccl, mixed, gloo = _Group("nccl"), _Group("cpu:gloo,cuda:nccl"), _Group("gloo")
     comm.transfer_group.cache_clear()
     try:
-        for _ in range(2):
-            received, works = comm.pass_round((torch.randn(2, 3),), nccl_group, 0)
-        assert comm.transfer_group(gloo_group) is gloo_group
+        twins = [comm.transfer_group(group, device) for group, device in
+                 ((nccl, "cuda"), (nccl, "cuda"), (mixed, "cuda"), (nccl, "cpu"), (gloo, "cuda"), (gloo, "cpu"))]
     finally:
         comm.transfer_group.cache_clear()
-    ((ranks, options),) = made
-    assert ranks == [4, 5, 6, 7] and options["backend"] == "nccl" and options["use_local_synchronization"]
-    assert options["pg_options"].is_high_priority_stream
-    assert posted == [(comm.dist.isend, 6, "twin"), (comm.dist.irecv, 4, "twin")] * 2 and works == ["work"]
+    assert twins == ["twin", "twin", "twin", nccl, gloo, gloo]
+    assert len(made) == 2  # one per NCCL group
+    for ranks, options in made:
+        assert ranks == [4, 5, 6, 7] and options["backend"] == "nccl" and options["use_local_synchronization"]
+        assert options["pg_options"].is_high_priority_stream
+
+
+def test_ring_transfers_are_posted_on_the_twin_of_their_tensors_device(monkeypatch):
+    from attn_compile.cp import comm
+    asked, posted = [], []
+    group = _Group("nccl")
+    monkeypatch.setattr(comm, "transfer_group", lambda g, device: asked.append((g, device)) or "twin")
+    monkeypatch.setattr(comm.dist, "get_global_rank", lambda g, rank: 4 + rank)
+    monkeypatch.setattr(comm.dist, "P2POp", lambda op, t, peer, g, tag: posted.append((op, peer, g)))
+    monkeypatch.setattr(comm.dist, "batch_isend_irecv", lambda ops: ["work"])
+    _, works = comm.pass_round((torch.randn(2, 3),), group, 0)
+    assert asked == [(group, "cpu")] and works == ["work"]
+    assert posted == [(comm.dist.isend, 6, "twin"), (comm.dist.irecv, 4, "twin")]

@@ -116,14 +116,16 @@ def received(posted, group):
 
 
 @functools.lru_cache(maxsize=None)
-def transfer_group(group):
-    """The group the ring's transfers run on: for NCCL, a twin of ``group`` whose streams have
-    high priority. A transfer posted beside an attention kernel then starts as soon as one of
-    that kernel's blocks finishes; on a stream of normal priority it waited for the whole kernel,
-    whose blocks were queued first (the ring's forward on 4 H200s, MLA at 64K tokens: 510
-    TFLOP/s per GPU, 636 with the twin; BENCHMARKS.md). The twin is one more NCCL communicator
-    over the same ranks, made on their first transfer; gloo groups are their own."""
-    if dist.get_backend(group) != "nccl":
+def transfer_group(group, device_type: str):
+    """The group the ring's transfers of ``device_type`` tensors run on: for CUDA tensors on a
+    group with an NCCL backend ("nccl", or "cpu:gloo,cuda:nccl" as ``init_process_group()``
+    makes by default), a twin of ``group`` whose streams have high priority. A transfer posted
+    beside an attention kernel then starts as soon as one of that kernel's blocks finishes; on a
+    stream of normal priority it waited for the whole kernel, whose blocks were queued first (the
+    ring's forward on 4 H200s, MLA at 64K tokens: 510 TFLOP/s per GPU, 636 with the twin;
+    BENCHMARKS.md). The twin is one more NCCL communicator over the same ranks, made on their
+    first transfer. Otherwise the group is its own twin."""
+    if device_type != "cuda" or "nccl" not in str(dist.get_backend(group)):
         return group
     options = dist.ProcessGroupNCCL.Options()
     options.is_high_priority_stream = True
@@ -134,8 +136,8 @@ def transfer_group(group):
 def pass_round(tensors, group, tag: int, shift: int = 1, into=None):
     """Posts sends of ``tensors`` to the rank ``shift`` places on round the ring and receives of
     like tensors (or into the contiguous tensors ``into``, where the sizes differ) from the rank
-    as far back, on ``transfer_group(group)``. Returns (received, works); the received tensors
-    are valid after ``wait(works, group)``."""
+    as far back, on ``transfer_group``. Returns (received, works); the received tensors are
+    valid after ``wait(works, group)``."""
     size = group.size()
     if shift % size == 0:
         return tuple(tensors), []
@@ -144,7 +146,7 @@ def pass_round(tensors, group, tag: int, shift: int = 1, into=None):
     prev_peer = dist.get_global_rank(group, (rank - shift) % size)
     tensors = [t.contiguous() for t in tensors]
     received = tuple(into) if into is not None else tuple(torch.empty_like(t) for t in tensors)
-    twin = transfer_group(group)
+    twin = transfer_group(group, received[0].device.type) if received else group
     # an empty tensor is not sent: its receiver, which knows the sizes too, posts no receive
     ops = [dist.P2POp(dist.isend, t, next_peer, twin, tag) for t in tensors if t.numel()]
     ops += [dist.P2POp(dist.irecv, r, prev_peer, twin, tag) for r in received if r.numel()]
