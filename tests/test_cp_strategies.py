@@ -189,7 +189,8 @@ class _Group:
 
 def test_cuda_transfers_get_one_high_priority_twin_per_nccl_group(monkeypatch):
     """Over the same ranks, made with high-priority streams, for CUDA tensors on a group with an
-    NCCL backend (alone, or beside gloo as init_process_group() makes it by default)."""
+    NCCL backend (alone, or beside gloo as init_process_group() makes it by default), unless new
+    NCCL groups would be split from the default group's communicator."""
     from attn_compile.cp import comm
     made = []
     monkeypatch.setattr(comm.dist, "get_backend", lambda group: group.backend)
@@ -197,13 +198,16 @@ def test_cuda_transfers_get_one_high_priority_twin_per_nccl_group(monkeypatch):
     monkeypatch.setattr(comm.dist, "get_process_group_ranks", lambda group: [4, 5, 6, 7])
     monkeypatch.setattr(comm.dist, "new_group", lambda ranks, **options: made.append((ranks, options)) or "twin")
     nccl, mixed, gloo = _Group("nccl"), _Group("cpu:gloo,cuda:nccl"), _Group("gloo")
-    comm.transfer_group.cache_clear()
-    try:
-        twins = [comm.transfer_group(group, device) for group, device in
-                 ((nccl, "cuda"), (nccl, "cuda"), (mixed, "cuda"), (nccl, "cpu"), (gloo, "cuda"), (gloo, "cpu"))]
-    finally:
+    cases = ((nccl, "cuda"), (nccl, "cuda"), (mixed, "cuda"), (nccl, "cpu"), (gloo, "cuda"), (gloo, "cpu"))
+    twins = {}
+    for splits in (False, True):  # True: the default group has a device bound, and new groups split from it
+        monkeypatch.setattr(comm, "_splits_from_world", lambda: splits)
         comm.transfer_group.cache_clear()
-    assert twins == ["twin", "twin", "twin", nccl, gloo, gloo]
+        try:
+            twins[splits] = [comm.transfer_group(group, device) for group, device in cases]
+        finally:
+            comm.transfer_group.cache_clear()
+    assert twins == {False: ["twin", "twin", "twin", nccl, gloo, gloo], True: [nccl, nccl, mixed, nccl, gloo, gloo]}
     assert len(made) == 2  # one per NCCL group
     for ranks, options in made:
         assert ranks == [4, 5, 6, 7] and options["backend"] == "nccl" and options["use_local_synchronization"]
