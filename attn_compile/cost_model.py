@@ -111,24 +111,23 @@ class Problem:
             return (s + 1) / 2
         return min(s, (s if left == UNBOUNDED else left) + (s if right == UNBOUNDED else right) + 1)
 
-    def bounded_reach(self) -> bool:
-        """The mask bounds how far a query sees on both sides (a sliding window)."""
-        return UNBOUNDED not in effective_window(self.is_causal, self.window)
+    def halo_reach(self) -> Optional[int]:
+        """How far, in rows, a query sees past its own contiguous shard: a sliding window's
+        farther side, or None where the layout is zigzag or the mask unbounded on a side."""
+        reach = effective_window(self.is_causal, self.window)
+        return None if self.layout != "contiguous" or UNBOUNDED in reach else max(reach)
 
     def ring_transfers(self, ranks: int) -> int:
         """Ring steps that move K and V: all but the first, unless a window on contiguous shards
         lets the ring stop early (cp/ring.py stops after the last step any rank needs)."""
-        if self.layout != "contiguous" or not self.bounded_reach():
-            return ranks - 1
-        reach = max(effective_window(self.is_causal, self.window))
-        return min(ranks - 1, -(-reach // self.s_local))
+        reach = self.halo_reach()
+        return ranks - 1 if reach is None else min(ranks - 1, -(-reach // self.s_local))
 
     def ring_step_share(self, ranks: int) -> float:
         """The share of a shard's K and V a ring step sends: where they go one hop on contiguous
         shards, only the rows a window reaches (cp/ring.py's halo)."""
-        if self.layout != "contiguous" or not self.bounded_reach() or self.ring_transfers(ranks) != 1:
-            return 1.0
-        return min(1.0, max(effective_window(self.is_causal, self.window)) / self.s_local)
+        reach = self.halo_reach()
+        return 1.0 if reach is None or self.ring_transfers(ranks) != 1 else min(1.0, reach / self.s_local)
 
     def forward_flops(self) -> float:
         return 2.0 * self.batch * self.h_q * self.s_local * self.visible_keys() * (self.d_qk + self.d_v)
@@ -277,7 +276,7 @@ def choose(p: Problem, hw: Hardware = Hardware(), strategy: str = "auto") -> tup
         reasons = "; ".join(f"{s}: {r}" for s, r in table.items())
         raise ValueError(f"no context-parallel strategy can run this problem on mesh {p.mesh_shape}: {reasons}")
     if strategy == "auto":
-        if p.documents and p.layout == "contiguous" and p.bounded_reach() and "ring" in estimates:
+        if p.documents and p.halo_reach() is not None and "ring" in estimates:
             return "ring", table
         if p.documents and "ulysses" in estimates:
             return "ulysses", table

@@ -40,7 +40,8 @@ def test_two_dimensional_mesh_means_hybrid():
 @pytest.mark.parametrize("cp, window", [(2, (4096, 0)), (2, (-1, -1)), (4, (4096, 0)), (4, (-1, -1))])
 def test_packed_documents_take_ulysses_where_it_runs(cp, window):
     """The shapes of `bench cp --documents` (17 documents, the longest 22,360 tokens): the model
-    alone picks the ring on 2 GPUs, which ran at 0.7-0.9 of Ulysses' speed there on zigzag shards."""
+    alone picks the ring on 2 GPUs, whose fwd+bwd ran at 0.45 (window) and 0.86 (none) of Ulysses'
+    there on zigzag shards (eff116c)."""
     docs = _problem(batch=17, s_local=-(-22360 // cp), window=window, mesh_shape=(cp,))
     assert choose(docs)[0] == ("ring" if cp == 2 else "ulysses")
     assert choose(dataclasses.replace(docs, documents=True))[0] == "ulysses"
@@ -118,9 +119,9 @@ def test_the_choice_on_two_and_four_ranks_is_the_measured_fastest():
     """GQA 32/8 and MLA 16h 192/128 at 64K and 128K tokens (bench_plan.MEASURED, fwd+bwd, H200s,
     FlashAttention-4). On 4 ranks Ulysses' all-to-alls cost less than the ring's exposed transfers
     and merges or the all-gather's gathered K and V. On 2 the ring has two steps and sends its
-    dK and dV home once: for GQA it is the fastest (593 and 604 TFLOP/s against Ulysses' 587 and
-    602); for MLA, whose larger K and V travel, Ulysses is taken (486 against the ring's 492 at
-    64K, 511 against 504 at 128K)."""
+    dK and dV home once: for GQA it is the fastest (593 and 606 TFLOP/s against Ulysses' 583 and
+    605); for MLA, whose larger K and V travel, Ulysses is (485 against the ring's 478 at 64K,
+    510 against 507 at 128K)."""
     for cp in (2, 4):
         for seq in (65536, 131072):
             for heads in (dict(), dict(h_q=16, h_kv=16, d_qk=192, d_v=128)):
