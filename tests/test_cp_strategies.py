@@ -189,28 +189,34 @@ class _Group:
 
 def test_cuda_transfers_get_one_high_priority_twin_per_nccl_group(monkeypatch):
     """Over the same ranks, made with high-priority streams, for CUDA tensors on a group with an
-    NCCL backend (alone, or beside gloo as init_process_group() makes it by default), unless new
-    NCCL groups would be split from the default group's communicator."""
+    NCCL backend (alone, or beside gloo as init_process_group() makes it by default). Where new
+    NCCL groups would be split from the default group's communicator, a collective of every rank,
+    the twin is split from the group's own instead."""
     from attn_compile.cp import comm
     made = []
     monkeypatch.setattr(comm.dist, "get_backend", lambda group: group.backend)
     monkeypatch.setattr(comm.dist, "ProcessGroupNCCL", _NcclStandIn, raising=False)
     monkeypatch.setattr(comm.dist, "get_process_group_ranks", lambda group: [4, 5, 6, 7])
-    monkeypatch.setattr(comm.dist, "new_group", lambda ranks, **options: made.append((ranks, options)) or "twin")
+    monkeypatch.setattr(comm.dist, "new_group", lambda ranks, **options: made.append(("new", ranks, options)) or "twin")
+    monkeypatch.setattr(comm.dist, "split_group", lambda **options: made.append(("split", options)) or "split twin")
     nccl, mixed, gloo = _Group("nccl"), _Group("cpu:gloo,cuda:nccl"), _Group("gloo")
     cases = ((nccl, "cuda"), (nccl, "cuda"), (mixed, "cuda"), (nccl, "cpu"), (gloo, "cuda"), (gloo, "cpu"))
     twins = {}
-    for splits in (False, True):  # True: the default group has a device bound, and new groups split from it
+    for splits in (False, True):  # True: the default group has a device bound
         monkeypatch.setattr(comm, "_splits_from_world", lambda: splits)
         comm.transfer_group.cache_clear()
         try:
             twins[splits] = [comm.transfer_group(group, device) for group, device in cases]
         finally:
             comm.transfer_group.cache_clear()
-    assert twins == {False: ["twin", "twin", "twin", nccl, gloo, gloo], True: [nccl, nccl, mixed, nccl, gloo, gloo]}
-    assert len(made) == 2  # one per NCCL group
-    for ranks, options in made:
+    assert twins == {False: ["twin", "twin", "twin", nccl, gloo, gloo],
+                     True: ["split twin", "split twin", "split twin", nccl, gloo, gloo]}
+    assert [m[0] for m in made] == ["new", "new", "split", "split"]  # one per NCCL group
+    for _, ranks, options in made[:2]:
         assert ranks == [4, 5, 6, 7] and options["backend"] == "nccl" and options["use_local_synchronization"]
+        assert options["pg_options"].is_high_priority_stream
+    for (_, options), parent in zip(made[2:], (nccl, mixed)):
+        assert options["parent_pg"] is parent and options["split_ranks"] == [[0, 1, 2, 3]]
         assert options["pg_options"].is_high_priority_stream
 
 

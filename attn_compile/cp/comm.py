@@ -124,20 +124,23 @@ def transfer_group(group, device_type: str):
     stream of normal priority it waited for the whole kernel, whose blocks were queued first (the
     ring's forward on 4 H200s, MLA at 64K tokens: 510 TFLOP/s per GPU, 636 with the twin;
     BENCHMARKS.md). The twin is one more NCCL communicator over the same ranks, made on their
-    first transfer. Otherwise the group is its own twin, and so is every group where the default
-    group has a device bound (``init_process_group(device_id=...)``): there torch makes a new
-    NCCL group by splitting the default group's communicator, a collective of every rank, which
-    ranks outside this group (other pipeline stages) may not join for a while."""
-    if device_type != "cuda" or "nccl" not in str(dist.get_backend(group)) or _splits_from_world():
+    first transfer by those ranks alone. Otherwise the group is its own twin."""
+    if device_type != "cuda" or "nccl" not in str(dist.get_backend(group)):
         return group
     options = dist.ProcessGroupNCCL.Options()
     options.is_high_priority_stream = True
+    if _splits_from_world():
+        # new_group would split the default group's communicator, a collective of every rank,
+        # which ranks outside this group (other pipeline stages) may not join for a while
+        return dist.split_group(parent_pg=group, split_ranks=[list(range(group.size()))],
+                                pg_options=options, group_desc="attn_cp transfers")
     return dist.new_group(dist.get_process_group_ranks(group), backend="nccl", pg_options=options,
                           use_local_synchronization=True, group_desc="attn_cp transfers")
 
 
 def _splits_from_world() -> bool:
-    """Whether torch makes new NCCL groups by splitting the default group's communicator."""
+    """Whether torch makes new NCCL groups by splitting the default group's communicator: where
+    the default group has a device bound (``init_process_group(device_id=...)``)."""
     return getattr(dist.group.WORLD, "bound_device_id", None) is not None
 
 
