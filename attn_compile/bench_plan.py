@@ -24,26 +24,26 @@ HEADS = {  # name: (h_q, h_kv, d_qk, d_v), as bench cp runs them
 
 # Measured fwd+bwd TFLOP/s per GPU of `bench cp` (bf16, causal, batch 1, zigzag), by
 # (GPUs, heads, global tokens): {strategy: TFLOP/s}; the hybrid ran on a (2, 2) mesh. NVIDIA
-# H200s (NVLink), torch 2.11.0+cu130, flash-attn-4 4.0.0b36 inside the single-GPU op, 2026-11-27:
-# 4 GPUs, and GPUs 0 and 1 of the same 4-GPU host (beside GPU tests on its GPUs 2 and 3), at 9394d17.
+# H200s (NVLink), torch 2.11.0+cu130, flash-attn-4 4.0.0b36 inside the single-GPU op, 2026-11-28:
+# 4 GPUs, and GPUs 0 and 1 of the same 4-GPU host (the other two idle), at 2a999cd.
 MEASURED = {
-    (2, "GQA 32/8 d128", 65536): dict(ring=593, allgather=580, ulysses=583),
-    (2, "GQA 32/8 d128", 131072): dict(ring=606, allgather=601, ulysses=605),
-    (2, "MLA 16h 192/128", 65536): dict(ring=478, allgather=467, ulysses=485),
-    (2, "MLA 16h 192/128", 131072): dict(ring=507, allgather=496, ulysses=510),
-    (4, "GQA 32/8 d128", 65536): dict(ring=562, allgather=553, ulysses=583, hybrid=564),
-    (4, "GQA 32/8 d128", 131072): dict(ring=575, allgather=585, ulysses=595, hybrid=584),
-    (4, "MLA 16h 192/128", 65536): dict(ring=447, allgather=416, ulysses=484, hybrid=459),
-    (4, "MLA 16h 192/128", 131072): dict(ring=470, allgather=467, ulysses=501, hybrid=486),
+    (2, "GQA 32/8 d128", 65536): dict(ring=593, allgather=579, ulysses=583),
+    (2, "GQA 32/8 d128", 131072): dict(ring=610, allgather=607, ulysses=607),
+    (2, "MLA 16h 192/128", 65536): dict(ring=480, allgather=470, ulysses=488),
+    (2, "MLA 16h 192/128", 131072): dict(ring=508, allgather=499, ulysses=514),
+    (4, "GQA 32/8 d128", 65536): dict(ring=552, allgather=542, ulysses=569, hybrid=556),
+    (4, "GQA 32/8 d128", 131072): dict(ring=563, allgather=575, ulysses=586, hybrid=574),
+    (4, "MLA 16h 192/128", 65536): dict(ring=439, allgather=412, ulysses=477, hybrid=454),
+    (4, "MLA 16h 192/128", 131072): dict(ring=466, allgather=459, ulysses=494, hybrid=480),
 }
 
 # The same runs' single-GPU op on the same per-GPU work and PyTorch's context_parallel (the better
 # rotate method), fwd+bwd TFLOP/s per GPU, by (GPUs, heads, global tokens).
 LOCAL_AND_PYTORCH = {
-    (2, "GQA 32/8 d128", 65536): (619, 517), (2, "GQA 32/8 d128", 131072): (617, 534),
-    (2, "MLA 16h 192/128", 65536): (524, 382), (2, "MLA 16h 192/128", 131072): (525, 386),
-    (4, "GQA 32/8 d128", 65536): (615, 486), (4, "GQA 32/8 d128", 131072): (613, 507),
-    (4, "MLA 16h 192/128", 65536): (529, 324), (4, "MLA 16h 192/128", 131072): (523, 349),
+    (2, "GQA 32/8 d128", 65536): (622, 524), (2, "GQA 32/8 d128", 131072): (617, 538),
+    (2, "MLA 16h 192/128", 65536): (530, 380), (2, "MLA 16h 192/128", 131072): (530, 385),
+    (4, "GQA 32/8 d128", 65536): (606, 479), (4, "GQA 32/8 d128", 131072): (606, 499),
+    (4, "MLA 16h 192/128", 65536): (518, 325), (4, "MLA 16h 192/128", 131072): (515, 347),
 }
 
 ASSUMPTIONS = (

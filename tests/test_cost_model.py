@@ -119,9 +119,9 @@ def test_the_choice_on_two_and_four_ranks_is_the_measured_fastest():
     """GQA 32/8 and MLA 16h 192/128 at 64K and 128K tokens (bench_plan.MEASURED, fwd+bwd, H200s,
     FlashAttention-4). On 4 ranks Ulysses' all-to-alls cost less than the ring's exposed transfers
     and merges or the all-gather's gathered K and V. On 2 the ring has two steps and sends its
-    dK and dV home once: for GQA it is the fastest (593 and 606 TFLOP/s against Ulysses' 583 and
-    605); for MLA, whose larger K and V travel, Ulysses is (485 against the ring's 478 at 64K,
-    510 against 507 at 128K)."""
+    dK and dV home once: for GQA it is the fastest (593 and 610 TFLOP/s against Ulysses' 583 and
+    607); for MLA, whose larger K and V travel, Ulysses is (488 against the ring's 480 at 64K,
+    514 against 508 at 128K)."""
     for cp in (2, 4):
         for seq in (65536, 131072):
             for heads in (dict(), dict(h_q=16, h_kv=16, d_qk=192, d_v=128)):
