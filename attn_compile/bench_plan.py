@@ -22,19 +22,24 @@ HEADS = {  # name: (h_q, h_kv, d_qk, d_v), as bench cp runs them
     "MLA 16h 192/128": (16, 16, 192, 128),
 }
 
-# Measured fwd+bwd TFLOP/s per GPU of `bench cp` (bf16, causal, batch 1, zigzag), by
-# (GPUs, heads, global tokens): {strategy: TFLOP/s}; the hybrid ran on a (2, 2) mesh. NVIDIA
-# H200s (NVLink), torch 2.11.0+cu130, flash-attn-4 4.0.0b36 inside the single-GPU op, 2026-11-28:
-# 4 GPUs, and GPUs 0 and 1 of the same 4-GPU host (the other two idle), at 2a999cd.
+# Measured TFLOP/s per GPU of `bench cp` (bf16, causal, batch 1, zigzag), forward and fwd+bwd, by
+# (GPUs, heads, global tokens): {strategy: (forward, fwd+bwd)}; the forward ran with no backward
+# after it. The hybrid ran on a (2, 2) mesh. NVIDIA H200s (NVLink), torch 2.11.0+cu130,
+# flash-attn-4 4.0.0b36 inside the single-GPU op, 2026-11-28: 4 GPUs, and GPUs 0 and 1 of the same
+# 4-GPU host (the other two idle), at 2a999cd.
 MEASURED = {
-    (2, "GQA 32/8 d128", 65536): dict(ring=593, allgather=579, ulysses=583),
-    (2, "GQA 32/8 d128", 131072): dict(ring=610, allgather=607, ulysses=607),
-    (2, "MLA 16h 192/128", 65536): dict(ring=480, allgather=470, ulysses=488),
-    (2, "MLA 16h 192/128", 131072): dict(ring=508, allgather=499, ulysses=514),
-    (4, "GQA 32/8 d128", 65536): dict(ring=552, allgather=542, ulysses=569, hybrid=556),
-    (4, "GQA 32/8 d128", 131072): dict(ring=563, allgather=575, ulysses=586, hybrid=574),
-    (4, "MLA 16h 192/128", 65536): dict(ring=439, allgather=412, ulysses=477, hybrid=454),
-    (4, "MLA 16h 192/128", 131072): dict(ring=466, allgather=459, ulysses=494, hybrid=480),
+    (2, "GQA 32/8 d128", 65536): dict(ring=(637, 593), allgather=(595, 579), ulysses=(590, 583)),
+    (2, "GQA 32/8 d128", 131072): dict(ring=(643, 610), allgather=(633, 607), ulysses=(628, 607)),
+    (2, "MLA 16h 192/128", 65536): dict(ring=(646, 480), allgather=(569, 470), ulysses=(580, 488)),
+    (2, "MLA 16h 192/128", 131072): dict(ring=(668, 508), allgather=(624, 499), ulysses=(638, 514)),
+    (4, "GQA 32/8 d128", 65536): dict(ring=(592, 552), allgather=(563, 542), ulysses=(569, 569),
+                                      hybrid=(584, 556)),
+    (4, "GQA 32/8 d128", 131072): dict(ring=(597, 563), allgather=(596, 575), ulysses=(604, 586),
+                                       hybrid=(598, 574)),
+    (4, "MLA 16h 192/128", 65536): dict(ring=(615, 439), allgather=(521, 412), ulysses=(584, 477),
+                                        hybrid=(616, 454)),
+    (4, "MLA 16h 192/128", 131072): dict(ring=(628, 466), allgather=(563, 459), ulysses=(622, 494),
+                                         hybrid=(618, 480)),
 }
 
 # The same runs' single-GPU op on the same per-GPU work and PyTorch's context_parallel (the better
@@ -101,21 +106,26 @@ def assumption_lines(hw: cost_model.Hardware) -> list[str]:
     return ["assumptions: cost_model.Hardware(" + fields + ")", *(f"  {line}" for line in ASSUMPTIONS)]
 
 
-def validation(hw: cost_model.Hardware = cost_model.Hardware()) -> tuple[list[str], float]:
-    """(the lines comparing the model on ``hw`` in one node with ``MEASURED``, the mean relative error)."""
+def validation(hw: cost_model.Hardware = cost_model.Hardware(), forward: bool = False) -> tuple[list[str], float]:
+    """(the lines comparing the model on ``hw`` in one node with ``MEASURED``'s fwd+bwd figures, or
+    its forward alone with the forward figures, the mean relative error)."""
     hw = dataclasses.replace(hw, gpus_per_node=0)
-    lines = ["validation: the cost model's fwd+bwd TFLOP/s per GPU against measured bench cp figures "
+    column, what = (0, "forward alone") if forward else (1, "fwd+bwd")
+    lines = [f"validation: the cost model's {what} TFLOP/s per GPU against measured bench cp figures "
              "(bf16, causal, batch 1)",
              f"  {'GPUs':>4s} {'heads':16s} {'tokens':>7s} {'strategy':10s} {'mesh':>4s} {'measured':>8s} "
              f"{'model':>6s} {'error':>7s}"]
     errors, agreed, worst_choice = [], 0, 1.0
-    for (gpus, name, seq), measured in MEASURED.items():
+    for (gpus, name, seq), both in MEASURED.items():
+        measured = {strategy: tflops[column] for strategy, tflops in both.items()}
         p = problem(HEADS[name], gpus, seq)
-        flops = p.forward_flops() * (1 + cost_model.BACKWARD_COMPUTE)  # bench cp's count: fwd+bwd is 3.5x fwd
+        # bench cp's count: fwd+bwd is 3.5x fwd
+        flops = p.forward_flops() * (1 if forward else 1 + cost_model.BACKWARD_COMPUTE)
         predicted = {}
         for option in cost_model.options(p, hw):
             if option.strategy in measured and option.estimate is not None:
-                predicted[option.strategy] = (mesh_name(option), flops / option.estimate.time_s / 1e12)
+                seconds = option.estimate.forward_s if forward else option.estimate.time_s
+                predicted[option.strategy] = (mesh_name(option), flops / seconds / 1e12)
         for strategy, tflops in measured.items():
             mesh, model = predicted[strategy]
             errors.append((model - tflops) / tflops)
@@ -137,7 +147,7 @@ def efficiency() -> dict:
     for (gpus, name, seq), measured in MEASURED.items():
         local, pytorch = LOCAL_AND_PYTORCH[gpus, name, seq]
         shape = curves.setdefault((name, seq), {"attn_cp": [(1, 1.0)], "PyTorch": [(1, 1.0)]})
-        shape["attn_cp"].append((gpus, max(measured.values()) / local))
+        shape["attn_cp"].append((gpus, max(fwd_bwd for _, fwd_bwd in measured.values()) / local))
         shape["PyTorch"].append((gpus, pytorch / local))
     return curves
 
@@ -186,7 +196,8 @@ def main(argv=None) -> int:
     parser.add_argument("--ring-overlap", type=float, default=defaults.ring_overlap,
                         help="the share of a ring step's transfer hidden behind its compute (default %(default)s)")
     parser.add_argument("--validate", action="store_true",
-                        help="print the model against the measured 2- and 4-GPU tables instead")
+                        help="print the model against the measured 2- and 4-GPU tables (fwd+bwd, then the "
+                             "forward alone) instead")
     parser.add_argument("--plot-efficiency", metavar="FILE.png",
                         help="with --validate, also draw the measured efficiency against GPU count (needs matplotlib)")
     args = parser.parse_args(argv)
@@ -196,7 +207,7 @@ def main(argv=None) -> int:
                              internode_gbps=args.internode_gbps, gpu_memory_gb=args.memory_gb,
                              ring_overlap=args.ring_overlap)
     if args.validate:
-        print("\n".join(validation(hw)[0]))
+        print("\n".join([*validation(hw)[0], "", *validation(hw, forward=True)[0]]))
         if args.plot_efficiency:
             plot_efficiency(args.plot_efficiency)
         return 0

@@ -1,4 +1,5 @@
-"""Time and memory of each context-parallel strategy for one attention call, fwd + bwd.
+"""Time and memory of each context-parallel strategy for one attention call, fwd + bwd, and its
+time where no gradient is needed (the forward alone).
 
 A small analytic model: compute at the kernel's throughput, transfers at the link's bandwidth,
 and overlap only where the strategy can overlap (the ring, by ``Hardware.ring_overlap``, behind
@@ -50,6 +51,14 @@ class Hardware:
     # forward's (MLA 64K on 4 H200s: forward 510 to 636 TFLOP/s), but fwd+bwd rose 0.5-4.9%, which
     # 0 fits best (bench plan --validate: the measured fastest in 8 of 8 shapes, 7 at 0.25)
     ring_overlap: float = 0.0
+    # The forward alone, fitted to bench cp's forward columns on 2 and 4 H200s (bench plan
+    # --validate): the single-GPU op's forward runs at 648-727 TFLOP/s (MLA's the faster); the ring's
+    # transfers hide behind its steps (each step takes the longer of its compute and its transfer);
+    # the all-gather and the all-to-all, waited for before the attention, move at these shares of
+    # their fwd+bwd rates, their joins and copies included
+    forward_tflops: float = 660.0
+    forward_allgather_efficiency: float = 0.30
+    forward_a2a_efficiency: float = 0.80
 
     def spans_nodes(self, ranks: int, stride: int = 1) -> bool:
         """Whether a group of ``ranks`` ranks ``stride`` apart crosses nodes (a group starts at a
@@ -83,17 +92,21 @@ class Problem:
     mesh_shape: tuple = (2,)  # (cp,) or (outer, inner) for the hybrid
     layout: str = "zigzag"
     documents: bool = False  # packed documents (cu_seqlens), costed as a batch of the longest
+    backward: bool = True  # whether a backward follows; without one, the choice is by the forward alone
 
     @classmethod
     def of_shards(cls, q, k, v, *, is_causal: bool, mesh_shape: tuple, s_local=None, window=(-1, -1),
-                  layout="zigzag"):
+                  layout="zigzag", backward=None):
         """From q, k, v (tensors, or anything with their shape and dtype); ``s_local`` defaults to
-        q's sequence length, for q, k, v that are already this rank's shards."""
+        q's sequence length, for q, k, v that are already this rank's shards. ``backward`` defaults
+        to whether grad mode is on and one of the tensors requires a gradient."""
         size = traced_int
+        if backward is None:
+            backward = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
         return cls(batch=size(q.shape[0]), s_local=size(q.shape[2] if s_local is None else s_local),
                    h_q=size(q.shape[1]), h_kv=size(k.shape[1]), d_qk=size(q.shape[-1]), d_v=size(v.shape[-1]),
                    dtype=q.dtype, is_causal=is_causal, window=tuple(window), mesh_shape=tuple(mesh_shape),
-                   layout=layout)
+                   layout=layout, backward=backward)
 
     @property
     def cp(self) -> int:
@@ -149,6 +162,7 @@ class Estimate:
     transfer_s: float
     time_s: float  # with the strategy's overlap
     memory_bytes: float  # K/V (and gathered or exchanged copies) held per rank, besides ``Problem.call_bytes``
+    forward_s: float  # the forward alone, where no gradient is needed
 
     def __str__(self) -> str:
         return (f"{self.strategy}: {self.time_s * 1e6:.4g} us (compute {self.compute_s * 1e6:.4g} us, "
@@ -161,9 +175,10 @@ def _backward_compute(p: Problem, hw: Hardware) -> float:
 
 
 def _ring(p: Problem, hw: Hardware, ranks: int, compute: float, backward: float, stride: int = 1
-          ) -> tuple[float, float, float]:
-    """(transfer, time, memory) of a ring over ``ranks`` ranks ``stride`` apart: KV forward, KV and
-    dKV backward, the backward taking ``backward`` times the forward's compute. Each step also
+          ) -> tuple[float, float, float, float]:
+    """(transfer, forward time, backward time, memory) of a ring over ``ranks`` ranks ``stride``
+    apart: KV forward, KV and dKV backward, the backward taking ``backward`` times the forward's
+    compute. Each step also
     pays a fixed overhead and the fp32 merge of the partial output; in the backward that pass
     stands for the fp32 dK and dV each step of a longer ring zeroes, adds to and passes on (fitted),
     which a ring of two steps, whose dK and dV go home once (cp/ring.py's halo), does not pay."""
@@ -178,35 +193,43 @@ def _ring(p: Problem, hw: Hardware, ranks: int, compute: float, backward: float,
 
     fwd = forward_step + transfers * step(forward_step, step_transfer)
     bwd = backward_step + transfers * step(backward_step, 2 * step_transfer)
-    return 3 * transfers * step_transfer, fwd + bwd, 3 * step_bytes
+    return 3 * transfers * step_transfer, fwd, bwd, 3 * step_bytes
 
 
 def estimate(strategy: str, p: Problem, hw: Hardware = Hardware()) -> Estimate:
     compute = p.forward_flops() / (hw.kernel_tflops * 1e12)
+    forward = p.forward_flops() / (hw.forward_tflops * 1e12)  # the forward alone
+    hidden = dataclasses.replace(hw, ring_overlap=1.0)  # the forward alone: the ring's transfers hide
     backward = _backward_compute(p, hw)
     total_compute = compute * (1 + backward)
     if strategy == "ring":
-        transfer, time, memory = _ring(p, hw, p.cp, compute, backward)
+        transfer, fwd, bwd, memory = _ring(p, hw, p.cp, compute, backward)
+        time, forward_time = fwd + bwd, _ring(p, hidden, p.cp, forward, backward)[1]
     elif strategy == "allgather":
         # all-gather of KV in forward, again in backward (recomputed), reduce-scatter of dKV
         # memory: the gathered K and V, and in backward their fp32 gradients and the fp32 copy the
         # reduce-scatter sends
         gathered = p.kv_bytes(p.h_kv) * p.cp
-        transfer = 3 * gathered * (p.cp - 1) / p.cp / (hw.pass_gbps(p.cp) * hw.allgather_efficiency * 1e9)
+        one_pass = gathered * (p.cp - 1) / p.cp / (hw.pass_gbps(p.cp) * 1e9)
+        transfer = 3 * one_pass / hw.allgather_efficiency
         time, memory = total_compute + transfer, 5 * gathered
+        forward_time = forward + one_pass / hw.forward_allgather_efficiency
     elif strategy == "ulysses":
         transfer = _a2a_seconds(p, hw, p.cp)
         time, memory = total_compute + transfer, p.kv_bytes(_kv_heads_sent(p.h_kv, p.cp)) * 2
+        forward_time = forward + _forward_a2a_seconds(p, hw, p.cp)
     elif strategy == "hybrid":
         outer, inner = p.mesh_shape
         a2a = _a2a_seconds(p, hw, inner)
         per_group = dataclasses.replace(p, s_local=p.s_local * inner, h_q=p.h_q // inner,
                                         h_kv=_kv_heads_sent(p.h_kv, inner) // inner, mesh_shape=(outer,))
-        ring_transfer, ring_time, memory = _ring(per_group, hw, outer, compute, backward, stride=inner)
-        transfer, time = a2a + ring_transfer, a2a + ring_time
+        ring_transfer, fwd, bwd, memory = _ring(per_group, hw, outer, compute, backward, stride=inner)
+        transfer, time = a2a + ring_transfer, a2a + fwd + bwd
+        forward_time = _forward_a2a_seconds(p, hw, inner) + _ring(per_group, hidden, outer, forward, backward,
+                                                                    stride=inner)[1]
     else:
         raise ValueError(f"strategy must be one of {STRATEGIES}; got {strategy!r}")
-    return Estimate(strategy, total_compute, transfer, time, memory)
+    return Estimate(strategy, total_compute, transfer, time, memory, forward_time)
 
 
 def _kv_heads_sent(h_kv: int, cp: int) -> int:
@@ -228,6 +251,12 @@ def _a2a_seconds(p: Problem, hw: Hardware, ranks: int) -> float:
     moved = 2 * (q + kv + out)
     copies = 1 if p.batch == 1 else 2
     return _exchange_seconds(moved, ranks, hw) + 2 * copies * moved / (hw.memory_gbps * 1e9)
+
+
+def _forward_a2a_seconds(p: Problem, hw: Hardware, ranks: int) -> float:
+    """The forward's half of Ulysses' exchanges (q, k, v there and out back), where no backward
+    follows."""
+    return _a2a_seconds(p, hw, ranks) / 2 / hw.forward_a2a_efficiency
 
 
 def _exchange_seconds(sent: float, ranks: int, hw: Hardware) -> float:
@@ -266,7 +295,8 @@ def choose(p: Problem, hw: Hardware = Hardware(), strategy: str = "auto") -> tup
     with and without a window, Ulysses ran 1.1-2.3x faster than the other strategies, where the
     model chose the all-gather on 2 GPUs (BENCHMARKS.md). The exception is the contiguous layout
     under a sliding window: there a rank needs the window's rows of the rank before it only, and
-    the ring sends just those and attends the rest locally."""
+    the ring sends just those and attends the rest locally. Where no backward follows
+    (``p.backward`` false), the fastest forward is chosen."""
     table = {}
     for name in STRATEGIES:
         ok, reason = feasible(name, p)
@@ -280,7 +310,8 @@ def choose(p: Problem, hw: Hardware = Hardware(), strategy: str = "auto") -> tup
             return "ring", table
         if p.documents and "ulysses" in estimates:
             return "ulysses", table
-        return min(estimates, key=lambda s: estimates[s].time_s), table
+        key = (lambda s: estimates[s].time_s) if p.backward else (lambda s: estimates[s].forward_s)
+        return min(estimates, key=key), table
     reason = table.get(strategy, f"strategy must be 'auto' or one of {STRATEGIES}; got {strategy!r}")
     if isinstance(reason, str):
         raise ValueError(f"strategy={strategy!r} cannot run here: {reason}")

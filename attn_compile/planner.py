@@ -31,10 +31,12 @@ class Plan:
     q_seq_dim: Optional[int] = None  # mesh dim of a q-only sequence split (k, v replicated)
     kv_head_dim: Optional[int] = None  # mesh dim of a q-only head split (GQA tensor parallel)
     table: dict = dataclasses.field(default_factory=dict)  # cost-model estimate or reason, per strategy
+    forward_only: bool = False  # no gradient flows to q, k, v: the strategy is the fastest forward
 
     def describe(self) -> str:
         if self.cp_dims:
-            return f"context parallel over mesh dim(s) {list(self.cp_dims)}: {self.strategy}"
+            chosen = " (the fastest forward: no gradient flows to q, k, v)" if self.forward_only else ""
+            return f"context parallel over mesh dim(s) {list(self.cp_dims)}: {self.strategy}{chosen}"
         if self.q_seq_dim is not None:
             return f"local: q sequence shard against all keys (mesh dim {self.q_seq_dim})"
         if self.kv_head_dim is not None:
@@ -115,9 +117,11 @@ def plan(q, k, v, *, is_causal: bool, window=(-1, -1), strategy: str = "auto",
     mesh_shape = tuple(mesh.shape[d] for d in cp_dims)
     problem = cost_model.Problem.of_shards(*_cp_group_shapes(q, k, v, mesh, batch_ranks, head_ranks, fields),
                                            s_local=q.shape[SEQ] // math.prod(mesh_shape), is_causal=is_causal,
-                                           window=window, mesh_shape=mesh_shape)
+                                           window=window, mesh_shape=mesh_shape,
+                                           backward=any(x.requires_grad for x in (q, k, v)))
     best, table = cost_model.choose(problem, hardware, strategy)
-    return Plan(cp_dims=tuple(cp_dims), strategy=best, table=table, **fields)
+    return Plan(cp_dims=tuple(cp_dims), strategy=best, table=table,
+                forward_only=strategy == "auto" and not problem.backward, **fields)
 
 
 def _set_q_only_split(fields: dict, field: str, dim: int, q, k, v, mesh) -> None:

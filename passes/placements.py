@@ -204,10 +204,14 @@ def _distribute_shards(graph, node, a, groups, layout, strategy, hardware, check
     dropped = [a["document_ids"], a["key_padding_mask"]]
     a, notes = _checked_at_run_time(a, names, layout, checked)
     _check_positional_masking(node, a, "sequence shards on options['mesh']")
-    q, k, v = (hinted_meta(example_tensor(a[name])) for name in ("q", "k", "v"))
+    examples = [example_tensor(a[name]) for name in ("q", "k", "v")]
+    q, k, v = map(hinted_meta, examples)
     problem = cost_model.Problem.of_shards(q, k, v, is_causal=a["is_causal"], window=_window(a), layout=layout,
-                                           mesh_shape=[g.size() for g in groups])
+                                           mesh_shape=[g.size() for g in groups],
+                                           backward=any(x.requires_grad for x in examples))
     best, table = cost_model.choose(problem, hardware, strategy)
+    if strategy == "auto" and not problem.backward:
+        notes.append("the fastest forward: no gradient flows to q, k, v")
     _replace(graph, node, lambda: _context_parallel(graph, a, a["q"], a["k"], a["v"], best, names,
                                                     _scale(a, q), layout))
     erase_unused(dropped)

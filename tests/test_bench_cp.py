@@ -21,6 +21,8 @@ def test_auto_row_names_the_choice_and_its_ratios():
     row = bench._row(name, [400.0, 380.0], local=[500.0, 400.0], peer=[380.0, 361.0])
     assert row[:30] == f"  {name:28s}", "the name in the strategies' column"
     assert row[30:].split() == ["400", "380", "0.80", "/", "0.95", "1.05", "/", "1.05"], row
+    forward = bench._row(f"{name}, no grad", [400.0, None], local=[500.0, 400.0], peer=[380.0, 361.0])
+    assert len(forward) == len(row) and forward[30:].split() == ["400", "0.80", "/", "1.05", "/"], forward
 
 
 def test_needs_torchrun_and_sets_no_nccl_environment(monkeypatch, capsys):

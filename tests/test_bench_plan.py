@@ -17,7 +17,7 @@ def _plan(capsys, *argv):
 def test_plan_past_one_node(capsys):
     out = _plan(capsys, "--gpus", "16", "--gpus-per-node", "8", "--seq", "131072", "--heads", "32", "8", "128", "128")
     assert out.startswith("assumptions: cost_model.Hardware(kernel_tflops=600.0, link_gbps=306.0, ")
-    assert "gpus_per_node=8, internode_gbps=50.0, gpu_memory_gb=80.0, ring_overlap=0.0)" in out.splitlines()[0]
+    assert "gpus_per_node=8, internode_gbps=50.0, gpu_memory_gb=80.0, ring_overlap=0.0, " in out.splitlines()[0]
     table = out.split("\n\n")[1].splitlines()
     assert table[0] == "heads 32/8 d 128/128, 131072 tokens, batch 1, on 16 GPUs (2 nodes)"
     assert table[1].split() == ["strategy", "mesh", "ms", "fwd+bwd", "ms", "exposed", "GB", "per", "GPU"]
@@ -53,13 +53,24 @@ def test_bad_arguments_are_named(capsys, argv, message):
 
 
 def test_validation_prints_the_model_error_against_measured_tables(capsys):
-    out = _plan(capsys, "--validate").splitlines()
-    rows = [line for line in out if re.fullmatch(r" +[24] (GQA|MLA) .* +\d+ +\d+ +[+-]\d+\.\d%", line)]
-    assert len(rows) == 28, out  # 2 GPUs: 4 shapes x 3 strategies; 4 GPUs: 4 shapes x 4 (the hybrid as 2x2)
-    assert sum(" hybrid " in row and " 2x2 " in row for row in rows) == 4
-    summary = re.fullmatch(r"  mean \|error\| (\d+\.\d)% over 28 points; the model's fastest is the measured "
-                           r"fastest in (\d) of 8 shapes, and measured at (\d\.\d+) of it or more", out[-1])
-    assert summary and float(summary[1]) < 2.0 and summary.groups()[1:] == ("8", "1.000"), out[-1]
+    """fwd+bwd, then the forward alone (the choice where no gradient is needed). The forward's
+    strategies lie within a few percent of each other, so its fastest is matched less often; the
+    summary bounds how far the model's pick falls short of the measured fastest."""
+    fwd_bwd, forward = (part.splitlines() for part in _plan(capsys, "--validate").strip().split("\n\n"))
+    assert fwd_bwd[0].startswith("validation: the cost model's fwd+bwd TFLOP/s")
+    assert forward[0].startswith("validation: the cost model's forward alone TFLOP/s")
+    summaries = []
+    for out in (fwd_bwd, forward):
+        rows = [line for line in out if re.fullmatch(r" +[24] (GQA|MLA) .* +\d+ +\d+ +[+-]\d+\.\d%", line)]
+        assert len(rows) == 28, out  # 2 GPUs: 4 shapes x 3 strategies; 4 GPUs: 4 shapes x 4 (the hybrid as 2x2)
+        assert sum(" hybrid " in row and " 2x2 " in row for row in rows) == 4
+        summary = re.fullmatch(r"  mean \|error\| (\d+\.\d)% over 28 points; the model's fastest is the measured "
+                               r"fastest in (\d) of 8 shapes, and measured at (\d\.\d+) of it or more", out[-1])
+        assert summary, out[-1]
+        summaries.append((float(summary[1]), int(summary[2]), float(summary[3])))
+    (fb_error, fb_agreed, fb_worst), (f_error, f_agreed, f_worst) = summaries
+    assert fb_error < 2.0 and (fb_agreed, fb_worst) == (8, 1.0)
+    assert f_error < 4.0 and f_agreed >= 6 and f_worst >= 0.985
 
 
 def test_efficiency_against_gpu_count():

@@ -159,8 +159,10 @@ def _groups(*sizes):
     ((12, 12, 128, 128), 8, 32768, "ring"),  # Ulysses cannot split 12 heads 8 ways; the ring hides large KV
 ])
 def test_auto_follows_the_cost_model(heads, cp, seq, expected):
+    """For training inputs (a backward follows; test_cost_model covers the forward alone)."""
     h_q, h_kv, d_qk, d_v = heads
-    q, k, v = (torch.empty(1, h, seq, d, dtype=torch.bfloat16) for h, d in ((h_q, d_qk), (h_kv, d_qk), (h_kv, d_v)))
+    q, k, v = (torch.empty(1, h, seq, d, dtype=torch.bfloat16, requires_grad=True)
+               for h, d in ((h_q, d_qk), (h_kv, d_qk), (h_kv, d_v)))
     assert choose_strategy(q, k, v, _groups(cp), is_causal=True) == expected
     assert choose_strategy(q, k, v, _groups(2, 2), is_causal=True) == "hybrid"
 

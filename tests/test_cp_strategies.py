@@ -231,3 +231,31 @@ def test_ring_transfers_are_posted_on_the_twin_of_their_tensors_device(monkeypat
     _, works = comm.pass_round((torch.randn(2, 3),), group, 0)
     assert asked == [(group, "cpu")] and works == ["work"]
     assert posted == [(comm.dist.isend, 6, "twin"), (comm.dist.irecv, 4, "twin")]
+
+
+def _auto_sees_whether_a_backward_follows(rank, world):
+    """Each call's choices (a compiled call's come while it is traced) see a backward or none."""
+    from attn_compile import cost_model
+    seen, choose = [], cost_model.choose
+    cost_model.choose = lambda problem, *args: seen[-1].add(problem.backward) or choose(problem, *args)
+    try:
+        q, k, v = (torch.randn(1, 4, 8, 16) for _ in range(3))
+        attend = _attention("auto", dist.group.WORLD, True, "zigzag")
+        compiled = torch.compile(attend, backend=BACKEND, dynamic=False)
+        for run in (attend, compiled):
+            seen.append(set())
+            run(*(x.requires_grad_() for x in (q, k, v)))
+            seen.append(set())
+            with torch.no_grad():
+                run(q, k, v)
+            seen.append(set())
+            run(*(x.detach() for x in (q, k, v)))
+    finally:
+        cost_model.choose = choose
+    assert seen == [{True}, {False}, {False}] * 2, seen
+
+
+def test_auto_chooses_for_the_forward_alone_where_no_gradient_is_needed():
+    """Eager and compiled: with inputs that require a gradient the choice is the fwd+bwd one; under
+    no_grad, or with none requiring one, it is the fastest forward (cost_model.choose)."""
+    run_distributed(_auto_sees_whether_a_backward_follows, 2)

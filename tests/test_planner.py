@@ -19,9 +19,9 @@ CP = Mesh(shape=(4,), mesh_dim_names=("cp",))
 DP_CP = Mesh(shape=(2, 2), mesh_dim_names=("dp", "cp"))
 
 
-def _t(shape, placements, mesh=CP):
+def _t(shape, placements, mesh=CP, requires_grad=True):
     return SimpleNamespace(shape=torch.Size(shape), dtype=torch.bfloat16, placements=tuple(placements),
-                           device_mesh=mesh)
+                           device_mesh=mesh, requires_grad=requires_grad)
 
 
 def _qkv(q_pl, k_pl, v_pl=None, mesh=CP, h_q=8, h_kv=2, s=64):

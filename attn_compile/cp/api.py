@@ -132,7 +132,8 @@ def choose_strategy(q, k, v, groups, *, is_causal: bool, window=(-1, -1), layout
     """The cost model's fastest feasible strategy for these local shards on these groups, from
     what every rank sees alike: packed documents, whose shards differ in length, are costed as
     one batch entry per document of ``max_seqlen`` tokens. Symbolic sizes count at their traced
-    values, so the choice made when a graph is compiled stays with the graph."""
+    values, so the choice made when a graph is compiled stays with the graph. Where no gradient is
+    needed (grad mode off, or none of q, k, v requires one), the fastest forward is chosen."""
     problem = cost_model.Problem.of_shards(q, k, v, is_causal=is_causal, window=window, layout=layout,
                                            mesh_shape=[g.size() for g in groups])
     if cu_seqlens is not None:

@@ -4,7 +4,9 @@ Per-GPU TFLOP/s, forward and forward+backward, of every strategy on causal GQA 3
 causal MLA 16 heads 192/128 in bf16, beside the single-GPU local kernels at the same per-GPU
 work (a sequence of S/sqrt(N) tokens) and PyTorch's experimental ``context_parallel`` (both
 rotate methods). The ``auto`` row runs ``strategy="auto"`` on the world group and names the
-strategy the cost model chose for it. FLOPs = 2·B·H_q·S²·(d_qk+d_v), halved for causal; fwd+bwd counts 3.5×.
+strategy the cost model chose for it; the ``auto ..., no grad`` row times its forward under
+``torch.no_grad()``, where it chooses for the forward alone. FLOPs = 2·B·H_q·S²·(d_qk+d_v), halved
+for causal; fwd+bwd counts 3.5×.
 
 Timing is the median over calls with the L2 cache flushed before each, as
 ``triton.testing.do_bench`` does, but with fixed counts: do_bench sizes its repeat count from a
@@ -129,14 +131,21 @@ def say(*lines) -> None:
 
 
 def _row(name, tflops, local=None, peer=None):
-    text = f"  {name:28s} {tflops[0]:7.0f} {tflops[1]:8.0f}"
+    """TFLOP/s fwd and fwd+bwd, and their ratios to ``local`` and ``peer``; a forward-only row has
+    None for fwd+bwd."""
+    fwd, both = tflops
+    text = f"  {name:28s} {fwd:7.0f} {'' if both is None else f'{both:.0f}':>8s}"
     for base in (local, peer):
-        text += f"   {tflops[0] / base[0]:5.2f} / {tflops[1] / base[1]:4.2f}" if base else f"   {'':>12s}"
+        if base is None:
+            text += f"   {'':>12s}"
+        else:
+            text += f"   {fwd / base[0]:5.2f} / " + (" " * 4 if both is None else f"{both / base[1]:4.2f}")
     return text
 
 
 def auto_name(q, k, v, groups) -> str:
-    """The row name of causal ``strategy="auto"`` on these shards and groups: what it chose."""
+    """The row name of causal ``strategy="auto"`` on these shards and groups: what it chose, for
+    fwd+bwd where one of them requires a gradient, else for the forward alone."""
     return f"auto -> {choose_strategy(q, k, v, groups, is_causal=True)}"
 
 
@@ -170,6 +179,13 @@ def benchmark(seqs, groups) -> None:
             ms = _collective_median_ms(fwd), _collective_median_ms(fwd_bwd)
             name = strategy if strategy != "auto" else auto_name(q, k, v, process_groups(group))
             say(_row(name, [f / t for f, t in zip(per_gpu, ms)], local, best_peer))
+        # inference: no gradient needed, so auto chooses for the forward alone
+        q, k, v = (shard_sequence(x, dist.group.WORLD) for x in _inputs(h_q, h_kv, d_qk, d_v, seq, requires_grad=False))
+        with torch.no_grad():
+            ms = _collective_median_ms(lambda: context_parallel_attention(
+                q, k, v, group=dist.group.WORLD, strategy="auto", is_causal=True))
+        say(_row(f"{auto_name(q, k, v, process_groups(dist.group.WORLD))}, no grad", [per_gpu[0] / ms, None], local,
+                 best_peer))
 
 
 def _rel_err(got, want) -> float:

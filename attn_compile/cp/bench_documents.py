@@ -120,7 +120,8 @@ def _cp_ms(lengths, window, strategy, group, layout):
 def _auto_name(lengths, window, layout) -> str:
     """The row name of ``strategy="auto"`` on these documents over the world: what it chose."""
     h_q, h_kv, d_qk, d_v = HEADS
-    q, k, v = (torch.empty(1, h, 1, d, device="meta") for h, d in ((h_q, d_qk), (h_kv, d_qk), (h_kv, d_v)))
+    q, k, v = (torch.empty(1, h, 1, d, device="meta", requires_grad=True)  # the rows time fwd+bwd
+               for h, d in ((h_q, d_qk), (h_kv, d_qk), (h_kv, d_v)))
     groups = process_groups(dist.group.WORLD)
     return "auto -> " + choose_strategy(q, k, v, groups, is_causal=True, window=window, layout=layout,
                                         cu_seqlens=_cu(lengths), max_seqlen=max(lengths))
