@@ -180,12 +180,13 @@ def benchmark(seqs, groups) -> None:
             name = strategy if strategy != "auto" else auto_name(q, k, v, process_groups(group))
             say(_row(name, [f / t for f, t in zip(per_gpu, ms)], local, best_peer))
         # inference: no gradient needed, so auto chooses for the forward alone
-        q, k, v = (shard_sequence(x, dist.group.WORLD) for x in _inputs(h_q, h_kv, d_qk, d_v, seq, requires_grad=False))
+        world_group = dist.group.WORLD
+        q, k, v = (shard_sequence(x, world_group) for x in _inputs(h_q, h_kv, d_qk, d_v, seq, requires_grad=False))
         with torch.no_grad():
             ms = _collective_median_ms(lambda: context_parallel_attention(
-                q, k, v, group=dist.group.WORLD, strategy="auto", is_causal=True))
-        say(_row(f"{auto_name(q, k, v, process_groups(dist.group.WORLD))}, no grad", [per_gpu[0] / ms, None], local,
-                 best_peer))
+                q, k, v, group=world_group, strategy="auto", is_causal=True))
+        name = f"{auto_name(q, k, v, process_groups(world_group))}, no grad"
+        say(_row(name, [per_gpu[0] / ms, None], local, best_peer))
 
 
 def _rel_err(got, want) -> float:
