@@ -21,6 +21,7 @@ import torch
 from .kernels.visibility import UNBOUNDED, effective_window
 
 STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
+FORWARD_ALONE = "the fastest forward: no gradient flows to q, k, v"  # explain's note where it chose so
 BACKWARD_COMPUTE = 2.5  # backward FLOPs over forward FLOPs (flash attention recomputes P)
 
 
@@ -286,6 +287,12 @@ def feasible(strategy: str, p: Problem) -> tuple[bool, str]:
     return True, ""
 
 
+def chooses_forward_alone(p: Problem, strategy: str) -> bool:
+    """Whether ``choose`` ranks the strategies by the forward alone: for "auto" where no backward
+    follows (packed documents keep their own rules)."""
+    return strategy == "auto" and not p.backward
+
+
 def choose(p: Problem, hw: Hardware = Hardware(), strategy: str = "auto") -> tuple[str, dict]:
     """(the strategy to run, {strategy: Estimate or reason it is infeasible}): the fastest feasible
     one, or ``strategy`` when it is forced and feasible. Packed documents take Ulysses wherever it
@@ -310,7 +317,8 @@ def choose(p: Problem, hw: Hardware = Hardware(), strategy: str = "auto") -> tup
             return "ring", table
         if p.documents and "ulysses" in estimates:
             return "ulysses", table
-        key = (lambda s: estimates[s].time_s) if p.backward else (lambda s: estimates[s].forward_s)
+        forward = chooses_forward_alone(p, strategy)
+        key = (lambda s: estimates[s].forward_s) if forward else (lambda s: estimates[s].time_s)
         return min(estimates, key=key), table
     reason = table.get(strategy, f"strategy must be 'auto' or one of {STRATEGIES}; got {strategy!r}")
     if isinstance(reason, str):

@@ -35,7 +35,7 @@ class Plan:
 
     def describe(self) -> str:
         if self.cp_dims:
-            chosen = " (the fastest forward: no gradient flows to q, k, v)" if self.forward_only else ""
+            chosen = f" ({cost_model.FORWARD_ALONE})" if self.forward_only else ""
             return f"context parallel over mesh dim(s) {list(self.cp_dims)}: {self.strategy}{chosen}"
         if self.q_seq_dim is not None:
             return f"local: q sequence shard against all keys (mesh dim {self.q_seq_dim})"
@@ -121,7 +121,7 @@ def plan(q, k, v, *, is_causal: bool, window=(-1, -1), strategy: str = "auto",
                                            backward=any(x.requires_grad for x in (q, k, v)))
     best, table = cost_model.choose(problem, hardware, strategy)
     return Plan(cp_dims=tuple(cp_dims), strategy=best, table=table,
-                forward_only=strategy == "auto" and not problem.backward, **fields)
+                forward_only=cost_model.chooses_forward_alone(problem, strategy), **fields)
 
 
 def _set_q_only_split(fields: dict, field: str, dim: int, q, k, v, mesh) -> None:

@@ -210,8 +210,8 @@ def _distribute_shards(graph, node, a, groups, layout, strategy, hardware, check
                                            mesh_shape=[g.size() for g in groups],
                                            backward=any(x.requires_grad for x in examples))
     best, table = cost_model.choose(problem, hardware, strategy)
-    if strategy == "auto" and not problem.backward:
-        notes.append("the fastest forward: no gradient flows to q, k, v")
+    if cost_model.chooses_forward_alone(problem, strategy):
+        notes.append(cost_model.FORWARD_ALONE)
     _replace(graph, node, lambda: _context_parallel(graph, a, a["q"], a["k"], a["v"], best, names,
                                                     _scale(a, q), layout))
     erase_unused(dropped)
