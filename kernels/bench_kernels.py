@@ -83,6 +83,7 @@ SHAPES = (
     Shape("window 1024 32h d128", 32, 32, S, window=(1023, -1)),
     Shape("varlen 9 docs 32K MLA 16h 192/128", 16, 16, sum(DOCUMENTS), 192, 128, documents=DOCUMENTS),
     Shape("the same 9 docs as document ids", 16, 16, sum(DOCUMENTS), 192, 128, documents=DOCUMENTS, ids=True),
+    Shape("128 docs of 256 as document ids, GQA 32/8 d128", 32, 8, 32768, documents=(256,) * 128, ids=True),
     Shape("ring step: causal, offset half a tile", 32, 32, S, q_offset=S + 64, k_offset=S),
     Shape("MHA 32h d128 causal, softcap 50", 32, 32, S, softcap=50.0),
     Shape("Gemma 2: GQA 16/8 d256, window 4096, softcap 50", 16, 8, S, 256, 256, window=(4095, -1), softcap=50.0),

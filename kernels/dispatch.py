@@ -6,8 +6,9 @@ order of measured speed (BENCHMARKS.md, H100: FlashAttention-4 > cuDNN > Triton 
 efficient, except the softcapped forward, where Triton's is faster than FA4's); the reference
 takes everything else. A backward may run on another kernel than its forward: all of them
 take the same natural-log LSE. Windows and position offsets (ring steps), which none of the
-aten kernels take, run on FA4 or Triton; (B, S) document ids on Triton, which reads them on the
-device; where it does not run, document ids are read on the host and run as packed documents.
+aten kernels take, run on FA4 or Triton; (B, S) document ids on FA4's mask_mod path
+(``fa4_documents.py``) or Triton, both of which read them on the device; where neither runs,
+document ids are read on the host and run as packed documents.
 Packed documents (``varlen_*``) try FA4, Triton, then FA2's varlen kernel (which pads V for MLA
 inside its adapter), then one reference call per document. ``merge_into`` combines partial
 results: one fused Triton kernel on CUDA.
@@ -27,6 +28,7 @@ from . import reference
 from .aten import Cudnn, Efficient, Flash, FlashVarlen
 from .documents import packed, run_bounds, same_document_mask, unpacked
 from .fa4 import FA4, FA4Varlen
+from .fa4_documents import FA4Documents
 from .problem import Problem, capability
 
 try:
@@ -34,7 +36,7 @@ try:
 except ImportError:  # triton is a Linux-only dependency
     Triton = TritonVarlen = merge_forward = None
 
-FUSED = tuple(kernel for kernel in (FA4, Cudnn, Triton, Flash, Efficient) if kernel is not None)
+FUSED = tuple(kernel for kernel in (FA4, FA4Documents, Cudnn, Triton, Flash, Efficient) if kernel is not None)
 FUSED_VARLEN = tuple(kernel for kernel in (FA4Varlen, TritonVarlen, FlashVarlen) if kernel is not None)
 REFERENCE = "reference"
 
@@ -52,11 +54,12 @@ def _first(kernels, problem):
 
 
 def select_kernel(q, k, v, document_ids=None, **masking) -> str:
-    """Name of the kernel that runs this call: 'fa4', 'cudnn', 'triton', 'flash', 'efficient' or
-    'reference', followed by ' (backward <name>)' where the backward runs on another one.
-    Document ids go to a fused kernel that reads them on the device (Triton) where one takes the
-    call, else to 'varlen:<kernel>', the packed kernel that runs documents in contiguous runs
-    after reading them on the host (ids that come back after another run on the reference)."""
+    """Name of the kernel that runs this call: 'fa4', 'fa4 mask_mod', 'cudnn', 'triton', 'flash',
+    'efficient' or 'reference', followed by ' (backward <name>)' where the backward runs on another
+    one. Document ids go to a fused kernel that reads them on the device ('fa4 mask_mod',
+    'triton') where one takes the call, else to 'varlen:<kernel>', the packed kernel that runs
+    documents in contiguous runs after reading them on the host (ids that come back after
+    another run on the reference)."""
     kernel = _fused_kernel(q, k, v, masking, document_ids)
     if kernel is not None:
         backward = _fused_kernel(q, k, v, masking, document_ids, backward=True)

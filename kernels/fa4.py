@@ -27,9 +27,9 @@ by the Triton kernels, in place: they are handed a padding mask that is empty in
 and leave those rows as FA4 wrote them (``into``), reading and writing nothing there.
 
 Refusals found and kept out by ``supports``: float32, head dims over 256 or not a multiple of 8
-(sm100: up to 128, or 192/128, or 256/256), tensor masks, document ids, a window with key padding
-(each row would need its own alignment), and the backward of GQA with ``d_qk != d_v`` ("GQA
-backward requires head_dim == head_dim_v"), which goes to cuDNN.
+(sm100: up to 128, or 192/128, or 256/256), tensor masks, document ids (``fa4_documents.py`` runs
+them), a window with key padding (each row would need its own alignment), and the backward of GQA
+with ``d_qk != d_v`` ("GQA backward requires head_dim == head_dim_v"), which goes to cuDNN.
 """
 import dataclasses
 import functools
@@ -81,7 +81,7 @@ def supports(p: Problem) -> bool:
     return window_sides(p.is_causal, p.window, p.s_q, p.s_k, p.k_shift) is not None
 
 
-def _bshd(x):
+def bshd(x):
     """(B, H, S, D) -> FA4's (B, S, H, D), a view."""
     return x.transpose(1, 2)
 
@@ -94,8 +94,8 @@ def attention_forward(q, k, v, *, scale, is_causal=False, window=(-1, -1), key_p
     out = empty_out(q, v.shape[-1])
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     sides = window_sides(is_causal, window, q.shape[2], k.shape[2], k_offset - q_offset)
-    interface()._flash_attn_fwd(_bshd(q), _bshd(k), _bshd(v), softmax_scale=scale, window_size_left=sides[0],
-                                window_size_right=sides[1], softcap=softcap, out=_bshd(out), lse=lse,
+    interface()._flash_attn_fwd(bshd(q), bshd(k), bshd(v), softmax_scale=scale, window_size_left=sides[0],
+                                window_size_right=sides[1], softcap=softcap, out=bshd(out), lse=lse,
                                 return_lse=True)
     return out, lse
 
@@ -108,9 +108,9 @@ def attention_backward(dout, q, k, v, out, lse, *, scale, is_causal=False, windo
         return _padded_backward(dout, q, k, v, out, lse, scale, is_causal, key_padding_mask, softcap)
     sides = window_sides(is_causal, window, q.shape[2], k.shape[2], k_offset - q_offset)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    interface()._flash_attn_bwd(_bshd(q), _bshd(k), _bshd(v), _bshd(out), _bshd(dout), lse.contiguous(), scale,
+    interface()._flash_attn_bwd(bshd(q), bshd(k), bshd(v), bshd(out), bshd(dout), lse.contiguous(), scale,
                                 False, softcap, window_size_left=sides[0], window_size_right=sides[1],
-                                dq=_bshd(dq), dk=_bshd(dk), dv=_bshd(dv))
+                                dq=bshd(dq), dk=bshd(dk), dv=bshd(dv))
     return dq, dk, dv
 
 
@@ -135,7 +135,7 @@ def _recomputed(runs, key_padding_mask):
 
 def _packed(x):
     """(B, H, S, D) -> (B * S, H, D): a view where the batch and sequence dims merge, else a copy."""
-    return _bshd(x).flatten(0, 1)
+    return bshd(x).flatten(0, 1)
 
 
 def _unpacked(x, like):

@@ -154,7 +154,9 @@ DISPATCH = {  # name: (problem, forward kernel, backward kernel)
     "causal": (_problem(is_causal=True), "fa4", "fa4"),
     "softcap": (_problem(is_causal=True, softcap=30.0), "triton", "fa4"),
     "gqa+mla": (_problem(h_q=8, h_kv=2, d_qk=192, d_v=128, is_causal=True), "fa4", "cudnn"),
-    "document ids": (_problem(is_causal=True, document_ids=torch.empty(0)), "triton", "triton"),
+    "document ids": (_problem(is_causal=True, document_ids=torch.empty(0)), "fa4 mask_mod", "fa4 mask_mod"),
+    "document ids with softcap": (_problem(is_causal=True, softcap=30.0, document_ids=torch.empty(0)), "triton",
+                                  "triton"),
     "band FA4 cannot align": (_problem(window=(-1, 8), q_offset=0, k_offset=20), "triton", "triton"),
 }
 

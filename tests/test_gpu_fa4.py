@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import attn_compile  # noqa: F401
-from attn_compile.kernels import fa4, select_kernel
+from attn_compile.kernels import fa4, fa4_documents, select_kernel
+from attn_compile.kernels.documents import same_document_mask
 from attn_compile.kernels.problem import Problem, capability
 from attn_compile.kernels.result_layout import empty_out
 from oracle import naive_attention, rel_err
@@ -35,24 +36,32 @@ def _qkv(batch, h_q, h_kv, s_q, s_k, d_qk, d_v, projected=True):
     return make(h_q, s_q, d_qk), make(h_kv, s_k, d_qk), make(h_kv, s_k, d_v)
 
 
-def _check(q, k, v, name, backward=True, **masking):
-    """FA4's forward (and backward) against the oracle; returns the errors."""
-    assert fa4.supports(Problem.of(q, k, v, **masking)), name
+def _on_cpu(masking):
+    """The oracle's masking, on the CPU: document ids as the mask they mean."""
+    cpu = {n: m.cpu() if torch.is_tensor(m) else m for n, m in masking.items()}
+    if "document_ids" in cpu:
+        cpu["attn_mask"] = same_document_mask(cpu.pop("document_ids"))
+    return cpu
+
+
+def _check(q, k, v, name, backward=True, kernel=fa4, **masking):
+    """FA4's forward (and backward) through ``kernel`` (a kernel module) against the oracle;
+    returns the errors."""
+    assert kernel.supports(Problem.of(q, k, v, **masking)), name
     _poison()
-    out, lse = fa4.attention_forward(q, k, v, scale=q.shape[-1] ** -0.5, **masking)
+    out, lse = kernel.attention_forward(q, k, v, scale=q.shape[-1] ** -0.5, **masking)
     assert out.stride() == empty_out(q, v.shape[-1]).stride(), name
-    want = naive_attention(*(x.detach().cpu() for x in (q, k, v)), **{n: m.cpu() if torch.is_tensor(m) else m
-                                                                       for n, m in masking.items()})
+    want = naive_attention(*(x.detach().cpu() for x in (q, k, v)), **_on_cpu(masking))
     errors = {"out": rel_err(out.cpu(), want)}
     assert not out.isnan().any(), name
     if backward:
-        assert fa4.supports(Problem.of(q, k, v, **masking, backward=True)), name
+        assert kernel.supports(Problem.of(q, k, v, **masking, backward=True)), name
         dout = torch.randn_like(out)
         _poison()
-        grads = fa4.attention_backward(dout, q.detach(), k.detach(), v.detach(), out, lse, scale=q.shape[-1] ** -0.5,
+        grads = kernel.attention_backward(dout, q.detach(), k.detach(), v.detach(), out, lse, scale=q.shape[-1] ** -0.5,
                                        **masking)
         qd, kd, vd = (x.detach().cpu().double().requires_grad_() for x in (q, k, v))
-        ref = naive_attention(qd, kd, vd, **{n: m.cpu() if torch.is_tensor(m) else m for n, m in masking.items()})
+        ref = naive_attention(qd, kd, vd, **_on_cpu(masking))
         want_grads = torch.autograd.grad(ref, (qd, kd, vd), dout.cpu().double())
         for n, g, w, x in zip(("dq", "dk", "dv"), grads, want_grads, (q, k, v)):
             assert g.shape == x.shape and g.stride() == torch.empty_like(x).stride(), (name, n)
@@ -116,6 +125,30 @@ def test_key_padding_against_float64(name):
     _check(q, k, v, name, is_causal=causal, key_padding_mask=key_padding(lengths, 256, side, holes).cuda())
 
 
+def _document_ids(rows):
+    """(B, S) int64 ids: each row's documents of the given lengths, in order."""
+    return torch.tensor([sum(([d] * n for d, n in enumerate(row)), []) for row in rows])
+
+
+DOCUMENTS = {  # name: (h_q, h_kv, s, d_qk, d_v, ids, causal)
+    "gqa 8/2 d128 causal, S 300": (8, 2, 300, 128, 128, _document_ids([[60, 7, 150, 83], [300]]), True),
+    "gqa 8/2 d128 full, S 300": (8, 2, 300, 128, 128, _document_ids([[60, 7, 150, 83], [129, 171]]), False),
+    "mla 8h 192/128 causal, S 384": (8, 8, 384, 192, 128, _document_ids([[100, 200, 84], [1, 383]]), True),
+    "d64 causal, ids that come back": (4, 4, 256, 64, 64, torch.tensor([[0] * 50 + [1] * 100 + [0] * 106,
+                                                                       [2] * 128 + [5] * 64 + [2] * 64]), True),
+    "d128 causal, bool ids": (4, 4, 256, 128, 128, torch.arange(256)[None].repeat(2, 1) % 100 < 40, True),
+}
+
+
+@pytest.mark.parametrize("name", list(DOCUMENTS))
+def test_document_ids_against_float64(name):
+    """Document ids on FA4's mask_mod path, its block tables made on the device."""
+    torch.manual_seed(4)
+    h_q, h_kv, s, d_qk, d_v, ids, causal = DOCUMENTS[name]
+    q, k, v = _qkv(ids.shape[0], h_q, h_kv, s, s, d_qk, d_v)
+    _check(q, k, v, name, kernel=fa4_documents, is_causal=causal, document_ids=ids.cuda())
+
+
 def test_varlen_against_float64():
     torch.manual_seed(2)
     lengths = [100, 37, 200, 1]
@@ -148,7 +181,9 @@ DISPATCH = {  # name: (h_q, h_kv, d_qk, d_v, masking, expected)
     "ring tile, causal at an offset": (8, 2, 128, 128, dict(is_causal=True, q_offset=256, k_offset=0), "fa4"),
     "tile FA4 cannot align": (8, 2, 128, 128, dict(window=(-1, 8), q_offset=0, k_offset=20), "triton"),
     "document ids": (8, 2, 128, 128, dict(is_causal=True, document_ids=torch.zeros(1, 256, dtype=torch.int32)),
-                     "triton"),
+                     "fa4 mask_mod"),
+    "document ids, softcap": (8, 2, 128, 128, dict(is_causal=True, softcap=30.0,
+                                                    document_ids=torch.zeros(1, 256, dtype=torch.int32)), "triton"),
 }
 
 
@@ -159,17 +194,19 @@ def test_dispatch(name):
     assert select_kernel(q, k, v, **masking) == expected
 
 
-def test_cuda_graph_capture():
-    """The op, forward and backward through FA4 with key padding, recorded into one CUDA graph
-    and replayed on new data: nothing in it syncs with the host."""
+@pytest.mark.parametrize("masking", ["key padding", "document ids"])
+def test_cuda_graph_capture(masking):
+    """The op, forward and backward through FA4 with key padding or document ids, recorded into
+    one CUDA graph and replayed on new data: nothing in it syncs with the host."""
     torch.manual_seed(3)
     q, k, v = _qkv(2, 8, 2, 256, 256, 128, 128)
-    mask = key_padding([256, 100], 256).cuda()
+    mask = {"key_padding_mask": key_padding([256, 100], 256).cuda()} if masking == "key padding" else \
+        {"document_ids": _document_ids([[100, 156], [30, 200, 26]]).cuda()}
     static = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     dout = torch.randn(2, 8, 256, 128, device="cuda", dtype=BF16)
 
     def step():
-        out, _ = torch.ops.attn_cp.attention(*static, None, True, None, key_padding_mask=mask)
+        out, _ = torch.ops.attn_cp.attention(*static, None, True, None, **mask)
         return (out, *torch.autograd.grad(out, static, dout))
 
     stream = torch.cuda.Stream()
