@@ -11,7 +11,8 @@ The block sizes follow FA4's sm90 tiles (``flash_attn.cute.interface``: ``_tile_
 ``_tile_size_bwd_sm90``), which a block table must be a multiple of; FA4 checks them and raises
 where they do not fit. Refusals kept out by ``supports``, beyond those of the dense kernel
 (``fa4.supports``): anything but sm90, windows, softcap, key padding, position offsets and head
-dims other than d_qk == d_v <= 128 or 192/128 (the ones measured and tested on the GPU).
+dims other than d_qk == d_v <= 128 or 192/128 without GQA (the ones measured and tested on the
+GPU).
 """
 import dataclasses
 import functools
@@ -55,7 +56,8 @@ def key_block(d_qk, d_v, backward):
 
 def supports(p: Problem) -> bool:
     if not (p.has_documents and p.sm[0] == 9 and not p.windowed and not p.softcapped and not p.has_key_padding
-            and not p.offset and p.s_q == p.s_k and (p.d_qk == p.d_v <= 128 or (p.d_qk, p.d_v) == (192, 128))):
+            and not p.offset and p.s_q == p.s_k
+            and (p.d_qk == p.d_v <= 128 or ((p.d_qk, p.d_v) == (192, 128) and p.h_q == p.h_kv))):
         return False
     return fa4.supports(dataclasses.replace(p, has_documents=False))
 

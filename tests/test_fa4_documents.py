@@ -98,8 +98,7 @@ SUPPORTS = {  # name: (problem, facts, taken)
     "key padding": (_problem(key_padding_mask=torch.empty(0), document_ids=torch.empty(0)), {}, False),
     "position offset": (_problem(is_causal=True, q_offset=32, k_offset=0, document_ids=torch.empty(0)), {}, False),
     "d 256": (_problem(d_qk=256, d_v=256, document_ids=torch.empty(0)), {}, False),
-    "gqa+mla backward": (_problem(h_q=8, h_kv=2, d_qk=192, d_v=128, document_ids=torch.empty(0), backward=True),
-                         {}, False),
+    "gqa+mla": (_problem(h_q=8, h_kv=2, d_qk=192, d_v=128, document_ids=torch.empty(0)), {}, False),
     "float32": (_problem(dtype=torch.float32, document_ids=torch.empty(0)), {}, False),
 }
 
