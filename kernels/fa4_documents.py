@@ -49,8 +49,8 @@ def _mask_mods():
     return {False: same_document, True: same_document_causal}
 
 
-def key_block(d_qk, d_v, backward):
-    """The key block of the tables: FA4's sm90 key tile for these head dims."""
+def key_block(d_qk, backward):
+    """The key block of the tables: FA4's sm90 key tile for this head dim (d_v is 128 or d_qk)."""
     return 96 if backward and d_qk > 128 else 128
 
 
@@ -62,17 +62,17 @@ def supports(p: Problem) -> bool:
     return fa4.supports(dataclasses.replace(p, has_documents=False))
 
 
-def _tables(document_ids, d_qk, d_v, is_causal, backward):
+def _tables(document_ids, d_qk, is_causal, backward):
     from .triton_document_blocks import document_blocks
-    keys = key_block(d_qk, d_v, backward)
+    keys = key_block(d_qk, backward)
     tables = document_blocks(document_ids, QUERY_BLOCK, keys, is_causal, rows_are_queries=not backward)
     return fa4.interface().BlockSparseTensorsTorch(*tables, block_size=(QUERY_BLOCK, keys))
 
 
-def _mask_args(document_ids, d_qk, d_v, is_causal, backward):
+def _mask_args(document_ids, d_qk, is_causal, backward):
     ids = (document_ids.int() if document_ids.dtype == torch.bool else document_ids).contiguous()
     return dict(mask_mod=_mask_mods()[bool(is_causal)], aux_tensors=[ids],
-                block_sparse_tensors=_tables(ids, d_qk, d_v, is_causal, backward))
+                block_sparse_tensors=_tables(ids, d_qk, is_causal, backward))
 
 
 def attention_forward(q, k, v, *, scale, document_ids, is_causal=False, **_unused_masking):
@@ -81,7 +81,7 @@ def attention_forward(q, k, v, *, scale, document_ids, is_causal=False, **_unuse
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     fa4.interface()._flash_attn_fwd(fa4.bshd(q), fa4.bshd(k), fa4.bshd(v), softmax_scale=scale, out=fa4.bshd(out),
                                     lse=lse, return_lse=True,
-                                    **_mask_args(document_ids, q.shape[-1], v.shape[-1], is_causal, False))
+                                    **_mask_args(document_ids, q.shape[-1], is_causal, False))
     return out, lse
 
 
@@ -90,7 +90,7 @@ def attention_backward(dout, q, k, v, out, lse, *, scale, document_ids, is_causa
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     fa4.interface()._flash_attn_bwd(*map(fa4.bshd, (q, k, v, out.to(q.dtype), dout)), lse.contiguous(), scale, False,
                                     0.0, dq=fa4.bshd(dq), dk=fa4.bshd(dk), dv=fa4.bshd(dv),
-                                    **_mask_args(document_ids, q.shape[-1], v.shape[-1], is_causal, True))
+                                    **_mask_args(document_ids, q.shape[-1], is_causal, True))
     return dq, dk, dv
 
 

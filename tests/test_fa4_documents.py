@@ -171,7 +171,7 @@ def standin(monkeypatch):
     monkeypatch.setattr(fa4, "interface", lambda: stand_in)
     monkeypatch.setattr(fa4_documents, "_mask_mods", lambda: {False: False, True: True})
     monkeypatch.setattr(fa4_documents, "QUERY_BLOCK", 16)
-    monkeypatch.setattr(fa4_documents, "key_block", lambda d_qk, d_v, backward: 24 if backward else 8)
+    monkeypatch.setattr(fa4_documents, "key_block", lambda d_qk, backward: 24 if backward else 8)
     return stand_in
 
 
