@@ -47,8 +47,9 @@ def _fused_kernel(q, k, v, masking, document_ids=None, backward=False):
 
 def _first(kernels, problem):
     """The first of ``kernels`` that takes ``problem``. Triton leads the softcapped forward, where
-    it measured 1.3x FA4's speed."""
-    if problem.softcapped and not problem.backward:
+    it measured 1.3x FA4's speed, and document ids under a window, where FA4's mask_mod path
+    measured slower (BENCHMARKS.md: a Mistral-shaped packed input at 4096 tokens)."""
+    if (problem.softcapped and not problem.backward) or (problem.has_documents and problem.windowed):
         kernels = sorted(kernels, key=lambda kernel: kernel.name != "triton")
     return next((kernel for kernel in kernels if kernel.supports(problem)), None)
 

@@ -5,10 +5,12 @@ FA4 takes a mask it has no flag for as ``mask_mod`` plus block tables: per row b
 blocks it visits, split into *partial* ones (``mask_mod`` evaluated per element) and *full* ones
 (no mask at all). The forward's rows are query blocks over key blocks; the backward's are key
 blocks over query blocks, in its own block sizes. A pair of blocks is judged from each block's
-smallest and largest id, which is exact for any ids and tight where documents are runs:
-- skipped where the id ranges do not overlap, or (causal) every key comes after every query;
-- full where both blocks hold one id throughout, every key is at or before every query (causal),
-  and neither reaches past S (FA4 masks the sequence's end only where it masks at all);
+smallest and largest id, which is exact for any ids and tight where documents are runs, and
+from the band ``i - left <= j <= i + right`` (``visibility.py``; -1 unbounded, causal is right 0):
+- skipped where the id ranges do not overlap, or no pair is inside the band (the loop over a
+  row's column blocks visits only the blocks the band reaches);
+- full where both blocks hold one id throughout, every pair is inside the band, and neither
+  block reaches past S (FA4 masks the sequence's end only where it masks at all);
 - partial otherwise.
 """
 from typing import NamedTuple
@@ -44,8 +46,8 @@ def _id_range(Ids, stride_s, s, first, size, SIZE: tl.constexpr):
 
 @triton.jit
 def _blocks_kernel(Ids, PartialCount, PartialIndex, FullCount, FullIndex, s, stride_b, stride_s, row_size,
-                   column_size, rows, columns, ROW_SIZE: tl.constexpr, COLUMN_SIZE: tl.constexpr,
-                   ROWS_ARE_QUERIES: tl.constexpr, CAUSAL: tl.constexpr, BLOCK: tl.constexpr):
+                   column_size, rows, columns, left, right, ROW_SIZE: tl.constexpr, COLUMN_SIZE: tl.constexpr,
+                   ROWS_ARE_QUERIES: tl.constexpr, BLOCK: tl.constexpr):
     b, r = tl.program_id(0), tl.program_id(1)
     Ids += b * stride_b
     row_first = r * row_size + tl.zeros((1,), tl.int32)
@@ -54,12 +56,18 @@ def _blocks_kernel(Ids, PartialCount, PartialIndex, FullCount, FullIndex, s, str
     partial_count = tl.zeros((1,), tl.int32)
     full_count = tl.zeros((1,), tl.int32)
     index_row = (b * rows + r) * columns
+    # The band in the row's terms: a column position p pairs with the row inside it when
+    # row_first - after <= p <= row_last + before (queries as rows: keys up to `right` after them
+    # and `left` before; keys as rows: queries up to `left` after them and `right` before).
+    if ROWS_ARE_QUERIES:
+        before, after = right, left
+    else:
+        before, after = left, right
     begin, end = 0, columns
-    if CAUSAL:  # the columns on the visible side of the diagonal (key <= query) only
-        if ROWS_ARE_QUERIES:
-            end = tl.minimum(columns, (tl.minimum(r * row_size + row_size, s) - 1) // column_size + 1)
-        else:
-            begin = r * row_size // column_size
+    if after >= 0:
+        begin = tl.maximum(r * row_size - after, 0) // column_size
+    if before >= 0:
+        end = tl.minimum(columns, (tl.minimum(r * row_size + row_size, s) - 1 + before) // column_size + 1)
     for c0 in range(begin, end, BLOCK):
         c = c0 + tl.arange(0, BLOCK)
         first = c * column_size
@@ -68,8 +76,10 @@ def _blocks_kernel(Ids, PartialCount, PartialIndex, FullCount, FullIndex, s, str
         seen = (c < end) & (low <= row_high) & (high >= row_low)
         # one id on each side, and the ranges overlap (seen): the same id
         full = seen & (low == high) & (row_low == row_high) & whole & row_whole
-        if CAUSAL:
-            full = full & ((last <= row_first) if ROWS_ARE_QUERIES else (row_last <= first))
+        if before >= 0:
+            full = full & (last <= row_first + before)
+        if after >= 0:
+            full = full & (first >= row_last - after)
         partial = seen & ~full
         slot = partial_count + tl.cumsum(partial.to(tl.int32), 0) - 1
         tl.store(PartialIndex + index_row + slot, c, mask=partial)
@@ -81,9 +91,10 @@ def _blocks_kernel(Ids, PartialCount, PartialIndex, FullCount, FullIndex, s, str
     tl.store(FullCount + b * rows + r + tl.arange(0, 1), full_count)
 
 
-def document_blocks(document_ids, query_block, key_block, is_causal, rows_are_queries=True) -> BlockTables:
-    """The tables of ``document_ids`` (B, S) for blocks of ``query_block`` queries and ``key_block``
-    keys: per query block (forward) or, with ``rows_are_queries=False``, per key block (backward)."""
+def document_blocks(document_ids, query_block, key_block, window, rows_are_queries=True) -> BlockTables:
+    """The tables of ``document_ids`` (B, S) under the band ``window`` = (left, right) (causal:
+    ``visibility.effective_window``) for blocks of ``query_block`` queries and ``key_block`` keys:
+    per query block (forward) or, with ``rows_are_queries=False``, per key block (backward)."""
     batch, s = document_ids.shape
     row_size, column_size = (query_block, key_block) if rows_are_queries else (key_block, query_block)
     rows, columns = triton.cdiv(s, row_size), triton.cdiv(s, column_size)
@@ -92,7 +103,7 @@ def document_blocks(document_ids, query_block, key_block, is_causal, rows_are_qu
     indices = torch.empty(2, batch, 1, rows, columns, dtype=torch.int32, device=device)
     _blocks_kernel[(batch, rows)](
         document_ids, counts[0], indices[0], counts[1], indices[1], s, document_ids.stride(0),
-        document_ids.stride(1), row_size, column_size, rows, columns, ROW_SIZE=triton.next_power_of_2(row_size),
-        COLUMN_SIZE=triton.next_power_of_2(column_size), ROWS_ARE_QUERIES=rows_are_queries, CAUSAL=bool(is_causal),
-        BLOCK=BLOCK_COLUMNS)
+        document_ids.stride(1), row_size, column_size, rows, columns, *window,
+        ROW_SIZE=triton.next_power_of_2(row_size), COLUMN_SIZE=triton.next_power_of_2(column_size),
+        ROWS_ARE_QUERIES=rows_are_queries, BLOCK=BLOCK_COLUMNS)
     return BlockTables(counts[0], indices[0], counts[1], indices[1])

@@ -157,6 +157,8 @@ DISPATCH = {  # name: (problem, forward kernel, backward kernel)
     "document ids": (_problem(is_causal=True, document_ids=torch.empty(0)), "fa4 mask_mod", "fa4 mask_mod"),
     "document ids with softcap": (_problem(is_causal=True, softcap=30.0, document_ids=torch.empty(0)), "triton",
                                   "triton"),
+    "document ids with a window": (_problem(is_causal=True, window=(8, -1), document_ids=torch.empty(0)), "triton",
+                                   "triton"),
     "band FA4 cannot align": (_problem(window=(-1, 8), q_offset=0, k_offset=20), "triton", "triton"),
 }
 

@@ -13,6 +13,7 @@ import torch
 from attn_compile.kernels import fa4, fa4_documents, reference
 from attn_compile.kernels.documents import same_document_mask
 from attn_compile.kernels.triton_document_blocks import document_blocks
+from attn_compile.kernels.visibility import visible
 from oracle import naive_attention, rel_err
 from test_fa4_adapter import _on, _problem
 
@@ -22,12 +23,10 @@ def _runs(lengths, s):
     return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[:s]
 
 
-def _visible(ids, is_causal):
-    """(B, S, S) bool: which keys each query sees."""
-    visible = same_document_mask(ids)[:, 0]
-    if is_causal:
-        visible &= torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).tril()
-    return visible
+def _visible(ids, band):
+    """(B, S, S) bool: which keys each query sees, in its document and the band (left, right)."""
+    positions = torch.arange(ids.shape[1])
+    return same_document_mask(ids)[:, 0] & visible(positions, positions, *band)
 
 
 def _dense(counts, indices, columns):
@@ -56,12 +55,16 @@ def _blocks_of(visible, query_block, key_block, rows_are_queries):
     return (seen, full) if rows_are_queries else (seen.transpose(1, 2), full.transpose(1, 2))
 
 
-TABLES = {  # name: (s, query block, key block, causal, rows are queries)
-    "forward, causal": (300, 32, 16, True, True),
-    "backward, causal, key blocks not dividing S": (300, 32, 24, True, False),
-    "forward, not causal": (256, 32, 32, False, True),
-    "backward, not causal": (200, 16, 24, False, False),
-    "short, blocks past S": (77, 16, 8, True, True),
+TABLES = {  # name: (s, query block, key block, band (left, right), rows are queries)
+    "forward, causal": (300, 32, 16, (-1, 0), True),
+    "backward, causal, key blocks not dividing S": (300, 32, 24, (-1, 0), False),
+    "forward, not causal": (256, 32, 32, (-1, -1), True),
+    "backward, not causal": (200, 16, 24, (-1, -1), False),
+    "short, blocks past S": (77, 16, 8, (-1, 0), True),
+    "forward, causal window 64": (300, 16, 16, (64, 0), True),
+    "backward, causal window 64": (300, 16, 24, (64, 0), False),
+    "forward, window (40, 24)": (256, 16, 16, (40, 24), True),
+    "backward, window (40, 24)": (256, 16, 16, (40, 24), False),
 }
 
 
@@ -69,11 +72,11 @@ TABLES = {  # name: (s, query block, key block, causal, rows are queries)
 def test_block_tables(name):
     """Row 0 holds documents as runs: its tables are exact. Row 1's ids come back after others:
     every block with a visible pair is listed, and none is full that is not."""
-    s, query_block, key_block, causal, rows_are_queries = TABLES[name]
+    s, query_block, key_block, band, rows_are_queries = TABLES[name]
     torch.manual_seed(0)
-    ids = torch.stack([_runs(torch.randint(1, 60, (40,)).tolist(), s), torch.randint(0, 3, (s,))])
-    tables = document_blocks(ids, query_block, key_block, causal, rows_are_queries)
-    seen, full = _blocks_of(_visible(ids, causal), query_block, key_block, rows_are_queries)
+    ids = torch.stack([_runs(torch.randint(1, 130, (40,)).tolist(), s), torch.randint(0, 3, (s,))])
+    tables = document_blocks(ids, query_block, key_block, band, rows_are_queries)
+    seen, full = _blocks_of(_visible(ids, band), query_block, key_block, rows_are_queries)
     columns = seen.shape[-1]
     partial, listed_full = _dense(tables.partial_count, tables.partial_index, columns), \
         _dense(tables.full_count, tables.full_index, columns)
@@ -93,7 +96,8 @@ SUPPORTS = {  # name: (problem, facts, taken)
                                       backward=True), {}, True),
     "no document ids": (_problem(is_causal=True), {}, False),
     "sm100": (_problem(is_causal=True, document_ids=torch.empty(0)), {"sm": (10, 0)}, False),
-    "window": (_problem(window=(8, 0), document_ids=torch.empty(0)), {}, False),
+    "window": (_problem(window=(8, 0), document_ids=torch.empty(0)), {}, True),
+    "causal window": (_problem(is_causal=True, window=(8, -1), document_ids=torch.empty(0)), {}, True),
     "softcap": (_problem(is_causal=True, softcap=30.0, document_ids=torch.empty(0)), {}, False),
     "key padding": (_problem(key_padding_mask=torch.empty(0), document_ids=torch.empty(0)), {}, False),
     "position offset": (_problem(is_causal=True, q_offset=32, k_offset=0, document_ids=torch.empty(0)), {}, False),
@@ -124,15 +128,15 @@ class Tables(NamedTuple):
 class StandIn:
     """FA4's ``_flash_attn_fwd`` and ``_flash_attn_bwd`` with ``mask_mod``, ``aux_tensors`` and
     block tables: (B, S, H, D) tensors; a query attends to the keys of the blocks its tables list,
-    all of a full block and, in a partial one, those the mask keeps (``mask_mod`` is one of the
-    path's two, stood in for by their causal flag)."""
+    all of a full block and, in a partial one, those the mask keeps (``mask_mod`` is stood in for
+    by its band)."""
     BlockSparseTensorsTorch = Tables
 
     def __init__(self):
         self.calls = []
 
     @staticmethod
-    def _visible(ids, is_causal, tables, backward):
+    def _visible(ids, band, tables, backward):
         block_q, block_k = tables.block_size
         s = ids.shape[1]
         rows = (block_k if backward else block_q)
@@ -143,7 +147,7 @@ class StandIn:
         partial, full = expand(partial), expand(full)
         if backward:
             partial, full = partial.transpose(1, 2), full.transpose(1, 2)
-        return (full | (partial & _visible(ids, is_causal)))[:, None]
+        return (full | (partial & _visible(ids, band)))[:, None]
 
     def _flash_attn_fwd(self, q, k, v, softmax_scale, out, lse, return_lse, mask_mod, aux_tensors,
                         block_sparse_tensors):
@@ -169,7 +173,7 @@ class StandIn:
 def standin(monkeypatch):
     stand_in = StandIn()
     monkeypatch.setattr(fa4, "interface", lambda: stand_in)
-    monkeypatch.setattr(fa4_documents, "_mask_mods", lambda: {False: False, True: True})
+    monkeypatch.setattr(fa4_documents, "_mask_mod", lambda left, right: (left, right))
     monkeypatch.setattr(fa4_documents, "QUERY_BLOCK", 16)
     monkeypatch.setattr(fa4_documents, "key_block", lambda d_qk, backward: 24 if backward else 8)
     return stand_in
@@ -182,25 +186,35 @@ IDS = {
 }
 
 
-@pytest.mark.parametrize("is_causal", [True, False])
+MASKING = {  # name: (masking, band)
+    "causal": (dict(is_causal=True), (-1, 0)),
+    "full": ({}, (-1, -1)),
+    "causal window 9": (dict(is_causal=True, window=(9, -1)), (9, 0)),
+    "window (6, 3)": (dict(window=(6, 3)), (6, 3)),
+}
+
+
+@pytest.mark.parametrize("masking", list(MASKING))
 @pytest.mark.parametrize("ids", list(IDS))
-def test_path_against_oracle(standin, ids, is_causal):
+def test_path_against_oracle(standin, ids, masking):
     """GQA, MLA head dims, projected (B, S, H, D) views, S = 70 (no block size divides it)."""
     torch.manual_seed(1)
     s = 70
     document_ids = IDS[ids](s)
     q, k, v = (torch.randn(2, s, h, d).transpose(1, 2) for h, d in ((4, 24), (2, 24), (2, 16)))
-    masking = dict(is_causal=is_causal, document_ids=document_ids)
+    masking, band = MASKING[masking]
+    masking = dict(masking, document_ids=document_ids)
     scale = 24 ** -0.5
     out, lse = fa4_documents.attention_forward(q, k, v, scale=scale, **masking)
     dout = torch.randn_like(out)
     grads = fa4_documents.attention_backward(dout, q, k, v, out, lse, scale=scale, **masking)
     assert [call[0] for call in standin.calls] == ["fwd", "bwd"]
-    assert all(call[1] is is_causal for call in standin.calls)
+    assert all(call[1] == band for call in standin.calls)
     assert [call[2] for call in standin.calls] == [(16, 8), (16, 24)]
     assert out.stride() == torch.empty(2, s, 4, 16).transpose(1, 2).stride()  # q's memory order
     qd, kd, vd = (x.double().requires_grad_() for x in (q, k, v))
-    oracle_masking = dict(is_causal=is_causal, attn_mask=same_document_mask(document_ids))
+    oracle_masking = dict(masking, attn_mask=same_document_mask(document_ids))
+    del oracle_masking["document_ids"]
     want = naive_attention(qd, kd, vd, **oracle_masking)
     want_grads = torch.autograd.grad(want, (qd, kd, vd), dout.double())
     errors = [rel_err(out, want), *(rel_err(g, w) for g, w in zip(grads, want_grads))]

@@ -130,13 +130,20 @@ def _document_ids(rows):
     return torch.tensor([sum(([d] * n for d, n in enumerate(row)), []) for row in rows])
 
 
-DOCUMENTS = {  # name: (h_q, h_kv, s, d_qk, d_v, ids, causal)
-    "gqa 8/2 d128 causal, S 300": (8, 2, 300, 128, 128, _document_ids([[60, 7, 150, 83], [300]]), True),
-    "gqa 8/2 d128 full, S 300": (8, 2, 300, 128, 128, _document_ids([[60, 7, 150, 83], [129, 171]]), False),
-    "mla 8h 192/128 causal, S 384": (8, 8, 384, 192, 128, _document_ids([[100, 200, 84], [1, 383]]), True),
+DOCUMENTS = {  # name: (h_q, h_kv, s, d_qk, d_v, ids, masking)
+    "gqa 8/2 d128 causal, S 300": (8, 2, 300, 128, 128, _document_ids([[60, 7, 150, 83], [300]]), dict(is_causal=True)),
+    "gqa 8/2 d128 full, S 300": (8, 2, 300, 128, 128, _document_ids([[60, 7, 150, 83], [129, 171]]), {}),
+    "mla 8h 192/128 causal, S 384": (8, 8, 384, 192, 128, _document_ids([[100, 200, 84], [1, 383]]),
+                                     dict(is_causal=True)),
     "d64 causal, ids that come back": (4, 4, 256, 64, 64, torch.tensor([[0] * 50 + [1] * 100 + [0] * 106,
-                                                                       [2] * 128 + [5] * 64 + [2] * 64]), True),
-    "d128 causal, bool ids": (4, 4, 256, 128, 128, torch.arange(256)[None].repeat(2, 1) % 100 < 40, True),
+                                                                       [2] * 128 + [5] * 64 + [2] * 64]),
+                                       dict(is_causal=True)),
+    "d128 causal, bool ids": (4, 4, 256, 128, 128, torch.arange(256)[None].repeat(2, 1) % 100 < 40,
+                              dict(is_causal=True)),
+    "gqa 8/2 d128 causal window 100, S 500": (8, 2, 500, 128, 128, _document_ids([[300, 150, 50], [17, 483]]),
+                                               dict(is_causal=True, window=(100, -1))),
+    "mla 8h 192/128 window (150, 40), S 384": (8, 8, 384, 192, 128, _document_ids([[100, 200, 84], [384]]),
+                                                dict(window=(150, 40))),
 }
 
 
@@ -144,9 +151,9 @@ DOCUMENTS = {  # name: (h_q, h_kv, s, d_qk, d_v, ids, causal)
 def test_document_ids_against_float64(name):
     """Document ids on FA4's mask_mod path, its block tables made on the device."""
     torch.manual_seed(4)
-    h_q, h_kv, s, d_qk, d_v, ids, causal = DOCUMENTS[name]
+    h_q, h_kv, s, d_qk, d_v, ids, masking = DOCUMENTS[name]
     q, k, v = _qkv(ids.shape[0], h_q, h_kv, s, s, d_qk, d_v)
-    _check(q, k, v, name, kernel=fa4_documents, is_causal=causal, document_ids=ids.cuda())
+    _check(q, k, v, name, kernel=fa4_documents, document_ids=ids.cuda(), **masking)
 
 
 def test_varlen_against_float64():
@@ -182,6 +189,8 @@ DISPATCH = {  # name: (h_q, h_kv, d_qk, d_v, masking, expected)
     "tile FA4 cannot align": (8, 2, 128, 128, dict(window=(-1, 8), q_offset=0, k_offset=20), "triton"),
     "document ids": (8, 2, 128, 128, dict(is_causal=True, document_ids=torch.zeros(1, 256, dtype=torch.int32)),
                      "fa4 mask_mod"),
+    "document ids, window": (8, 2, 128, 128, dict(window=(64, 0), document_ids=torch.zeros(1, 256, dtype=torch.int32)),
+                             "triton"),
     "document ids, softcap": (8, 2, 128, 128, dict(is_causal=True, softcap=30.0,
                                                     document_ids=torch.zeros(1, 256, dtype=torch.int32)), "triton"),
 }
