@@ -3,9 +3,9 @@
 The choice depends only on the call's metadata (see ``Problem``), so every rank and ``explain``
 agree on it; forward and backward choose each for their own direction. Kernels are tried in
 order of measured speed (BENCHMARKS.md, H100: FlashAttention-4 > cuDNN > Triton > flash >
-efficient, except the softcapped forward, where Triton's is faster than FA4's); the reference
-takes everything else. A backward may run on another kernel than its forward: all of them
-take the same natural-log LSE. Windows and position offsets (ring steps), which none of the
+efficient, except the softcapped forward and windowed document ids, where Triton's is faster
+than FA4's); the reference takes everything else. A backward may run on another kernel than its
+forward: all of them take the same natural-log LSE. Windows and position offsets (ring steps), which none of the
 aten kernels take, run on FA4 or Triton; (B, S) document ids on FA4's mask_mod path
 (``fa4_documents.py``) or Triton, both of which read them on the device; where neither runs,
 document ids are read on the host and run as packed documents.

@@ -32,8 +32,9 @@ QUERY_BLOCK = 128
 @functools.cache
 def _mask_mod(left, right):
     """The FA4 ``mask_mod`` (CuTe DSL) of the same-document mask ANDed with the band
-    ``i - left <= j <= i + right`` (-1 unbounded), made once per band: FA4's compile cache keys on
-    the function's source and the values it captures, so a later process finds it on disk."""
+    ``i - left <= j <= i + right`` (-1 unbounded), made once per band. FA4's compile cache keys on
+    the function's source and the reprs of what it captures, so it captures only modules and ints
+    (a function's repr holds its address, which changes from process to process)."""
     import cutlass
     import cutlass.cute as cute
     from flash_attn.cute import utils
