@@ -175,11 +175,12 @@ def _backward_compute(p: Problem, hw: Hardware) -> float:
     return BACKWARD_COMPUTE if p.d_qk == p.d_v else BACKWARD_COMPUTE / hw.unequal_dims_backward
 
 
-def _ring(p: Problem, hw: Hardware, ranks: int, compute: float, backward: float, stride: int = 1
-          ) -> tuple[float, float, float, float]:
-    """(transfer, forward time, backward time, memory) of a ring over ``ranks`` ranks ``stride``
-    apart: KV forward, KV and dKV backward, the backward taking ``backward`` times the forward's
-    compute. Each step also
+def _ring(p: Problem, hw: Hardware, ranks: int, compute: float, backward: float, forward_alone: float,
+          stride: int = 1) -> tuple[float, float, float, float, float]:
+    """(transfer, forward time, backward time, time of the forward alone, memory) of a ring over
+    ``ranks`` ranks ``stride`` apart: KV forward, KV and dKV backward, the backward taking
+    ``backward`` times the forward's ``compute``; the forward alone computes for ``forward_alone``
+    and its transfers hide behind its steps (each step takes the longer of the two). Each step also
     pays a fixed overhead and the fp32 merge of the partial output; in the backward that pass
     stands for the fp32 dK and dV each step of a longer ring zeroes, adds to and passes on (fitted),
     which a ring of two steps, whose dK and dV go home once (cp/ring.py's halo), does not pay."""
@@ -189,23 +190,24 @@ def _ring(p: Problem, hw: Hardware, ranks: int, compute: float, backward: float,
     merge = 3 * p.batch * p.h_q * p.s_local * (p.d_v + 1) * 4 / (hw.memory_gbps * 1e9)
     forward_step = compute / (transfers + 1) + merge + hw.step_overhead_s
     backward_step = backward * (compute / (transfers + 1) + merge * (transfers > 1) + hw.step_overhead_s)
-    def step(compute_s, transfer_s):  # a step's compute, the transfer it cannot hide, or the whole transfer
-        return max(compute_s + (1 - hw.ring_overlap) * transfer_s, transfer_s)
+    alone_step = forward_alone / (transfers + 1) + merge + hw.step_overhead_s
+    def step(compute_s, transfer_s, overlap=hw.ring_overlap):  # compute and the transfer it cannot hide
+        return max(compute_s + (1 - overlap) * transfer_s, transfer_s)
 
     fwd = forward_step + transfers * step(forward_step, step_transfer)
     bwd = backward_step + transfers * step(backward_step, 2 * step_transfer)
-    return 3 * transfers * step_transfer, fwd, bwd, 3 * step_bytes
+    alone = alone_step + transfers * step(alone_step, step_transfer, overlap=1.0)
+    return 3 * transfers * step_transfer, fwd, bwd, alone, 3 * step_bytes
 
 
 def estimate(strategy: str, p: Problem, hw: Hardware = Hardware()) -> Estimate:
     compute = p.forward_flops() / (hw.kernel_tflops * 1e12)
     forward = p.forward_flops() / (hw.forward_tflops * 1e12)  # the forward alone
-    hidden = dataclasses.replace(hw, ring_overlap=1.0)  # the forward alone: the ring's transfers hide
     backward = _backward_compute(p, hw)
     total_compute = compute * (1 + backward)
     if strategy == "ring":
-        transfer, fwd, bwd, memory = _ring(p, hw, p.cp, compute, backward)
-        time, forward_time = fwd + bwd, _ring(p, hidden, p.cp, forward, backward)[1]
+        transfer, fwd, bwd, forward_time, memory = _ring(p, hw, p.cp, compute, backward, forward)
+        time = fwd + bwd
     elif strategy == "allgather":
         # all-gather of KV in forward, again in backward (recomputed), reduce-scatter of dKV
         # memory: the gathered K and V, and in backward their fp32 gradients and the fp32 copy the
@@ -224,10 +226,10 @@ def estimate(strategy: str, p: Problem, hw: Hardware = Hardware()) -> Estimate:
         a2a = _a2a_seconds(p, hw, inner)
         per_group = dataclasses.replace(p, s_local=p.s_local * inner, h_q=p.h_q // inner,
                                         h_kv=_kv_heads_sent(p.h_kv, inner) // inner, mesh_shape=(outer,))
-        ring_transfer, fwd, bwd, memory = _ring(per_group, hw, outer, compute, backward, stride=inner)
+        ring_transfer, fwd, bwd, ring_alone, memory = _ring(per_group, hw, outer, compute, backward, forward,
+                                                            stride=inner)
         transfer, time = a2a + ring_transfer, a2a + fwd + bwd
-        forward_time = _forward_a2a_seconds(p, hw, inner) + _ring(per_group, hidden, outer, forward, backward,
-                                                                    stride=inner)[1]
+        forward_time = _forward_a2a_seconds(p, hw, inner) + ring_alone
     else:
         raise ValueError(f"strategy must be one of {STRATEGIES}; got {strategy!r}")
     return Estimate(strategy, total_compute, transfer, time, memory, forward_time)
