@@ -136,7 +136,7 @@ class StandIn:
         self.calls = []
 
     @staticmethod
-    def _visible(ids, band, tables, backward):
+    def _attended(ids, band, tables, backward):
         block_q, block_k = tables.block_size
         s = ids.shape[1]
         rows = (block_k if backward else block_q)
@@ -152,7 +152,7 @@ class StandIn:
     def _flash_attn_fwd(self, q, k, v, softmax_scale, out, lse, return_lse, mask_mod, aux_tensors,
                         block_sparse_tensors):
         self.calls.append(("fwd", mask_mod, block_sparse_tensors.block_size))
-        visible = self._visible(aux_tensors[0], mask_mod, block_sparse_tensors, backward=False)
+        visible = self._attended(aux_tensors[0], mask_mod, block_sparse_tensors, backward=False)
         o, l = reference.attention_forward(*(x.transpose(1, 2).double() for x in (q, k, v)), scale=softmax_scale,
                                            attn_mask=visible)
         out.copy_(o.transpose(1, 2))
@@ -162,7 +162,7 @@ class StandIn:
                         aux_tensors, block_sparse_tensors):
         assert causal is False and softcap == 0.0  # the mask carries causality
         self.calls.append(("bwd", mask_mod, block_sparse_tensors.block_size))
-        visible = self._visible(aux_tensors[0], mask_mod, block_sparse_tensors, backward=True)
+        visible = self._attended(aux_tensors[0], mask_mod, block_sparse_tensors, backward=True)
         grads = reference.attention_backward(*(x.transpose(1, 2).double() for x in (dout, q, k, v, out)), lse.double(),
                                              scale=softmax_scale, attn_mask=visible)
         for into, grad in zip((dq, dk, dv), grads):
