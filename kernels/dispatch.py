@@ -1,14 +1,15 @@
 """The one place that decides which kernel runs an attention call.
 
 The choice depends only on the call's metadata (see ``Problem``), so every rank and ``explain``
-agree on it; forward and backward choose each for their own direction. Kernels are tried in
-order of measured speed (BENCHMARKS.md, H100: FlashAttention-4 > cuDNN > Triton > flash >
-efficient, except the softcapped forward and windowed document ids, where Triton's is faster
-than FA4's); the reference takes everything else. A backward may run on another kernel than its
-forward: all of them take the same natural-log LSE. Windows and position offsets (ring steps), which none of the
-aten kernels take, run on FA4 or Triton; (B, S) document ids on FA4's mask_mod path
-(``fa4_documents.py``) or Triton, both of which read them on the device; where neither runs,
-document ids are read on the host and run as packed documents.
+agree on it; forward and backward choose each for their own direction. Kernels are tried in the
+order of their measured speed on the call's class of problem (``ranking.py``); kernels without
+a figure there follow in the fixed order FlashAttention-4 > FA4's mask_mod path > cuDNN > Triton >
+flash > efficient, and the reference takes everything else. A backward may run on another kernel
+than its forward: all of them take the same natural-log LSE. Windows and position offsets (ring
+steps), which none of the aten kernels take, run on FA4 or Triton; (B, S) document ids and key
+padding masks on FA4's mask_mod path (``fa4_mask_mod.py``), FA4's key padding path (``fa4.py``)
+or Triton, which read them on the device; where none of them runs, document ids are read on the
+host and run as packed documents.
 Packed documents (``varlen_*``) try FA4, Triton, then FA2's varlen kernel (which pads V for MLA
 inside its adapter), then one reference call per document. ``merge_into`` combines partial
 results: one fused Triton kernel on CUDA.
@@ -28,15 +29,16 @@ from . import reference
 from .aten import Cudnn, Efficient, Flash, FlashVarlen
 from .documents import packed, run_bounds, same_document_mask, unpacked
 from .fa4 import FA4, FA4Varlen
-from .fa4_documents import FA4Documents
+from .fa4_mask_mod import FA4MaskMod
 from .problem import Problem, capability
+from .ranking import ranked
 
 try:
     from .triton_attention import Triton, TritonVarlen, merge_forward
 except ImportError:  # triton is a Linux-only dependency
     Triton = TritonVarlen = merge_forward = None
 
-FUSED = tuple(kernel for kernel in (FA4, FA4Documents, Cudnn, Triton, Flash, Efficient) if kernel is not None)
+FUSED = tuple(kernel for kernel in (FA4, FA4MaskMod, Cudnn, Triton, Flash, Efficient) if kernel is not None)
 FUSED_VARLEN = tuple(kernel for kernel in (FA4Varlen, TritonVarlen, FlashVarlen) if kernel is not None)
 REFERENCE = "reference"
 
@@ -45,13 +47,9 @@ def _fused_kernel(q, k, v, masking, document_ids=None, backward=False):
     return _first(FUSED, Problem.of(q, k, v, **masking, document_ids=document_ids, backward=backward))
 
 
-def _first(kernels, problem):
-    """The first of ``kernels`` that takes ``problem``. Triton leads the softcapped forward, where
-    it measured 1.3x FA4's speed, and document ids under a window, where FA4's mask_mod path
-    measured slower (BENCHMARKS.md: a Mistral-shaped packed input at 4096 tokens)."""
-    if (problem.softcapped and not problem.backward) or (problem.has_documents and problem.windowed):
-        kernels = sorted(kernels, key=lambda kernel: kernel.name != "triton")
-    return next((kernel for kernel in kernels if kernel.supports(problem)), None)
+def _first(kernels, problem, packed=False):
+    """The fastest of ``kernels`` measured on ``problem``'s class that takes ``problem``."""
+    return next((kernel for kernel in ranked(kernels, problem, packed) if kernel.supports(problem)), None)
 
 
 def select_kernel(q, k, v, document_ids=None, **masking) -> str:
@@ -130,7 +128,7 @@ def _documents_backward(dout, q, k, v, out, lse, document_ids, scale, masking):
 
 
 def _varlen_kernel_of(problem):
-    return _first(FUSED_VARLEN, problem)
+    return _first(FUSED_VARLEN, problem, packed=True)
 
 
 def _varlen_kernel(q, k, v, masking, aligned=True, backward=False):

@@ -15,7 +15,8 @@ while the op decides them on global positions (``q_offset + i``, ``k_offset + j`
 shift)`` with ``shift = (k_offset - q_offset) + (S_k - S_q)``; FA4 reads a negative side as
 unbounded, so a tile whose band needs one is not taken (``window_sides``).
 
-Key padding, without a window: a row whose real keys are one run ``[start, end)`` (Hugging Face's
+Key padding, without a window (measured faster than FA4's mask_mod path, ``fa4_mask_mod.py``,
+beyond 4096 tokens; ``ranking.py``): a row whose real keys are one run ``[start, end)`` (Hugging Face's
 left or right padding, or padding on both sides) is exact with FA4's packed path, the run's queries
 against the run's keys (the two lengths agree, so the alignments agree) and, under a causal mask,
 the queries after the run against the whole run, unmasked, in a second call; the queries before
@@ -27,7 +28,7 @@ by the Triton kernels, in place: they are handed a padding mask that is empty in
 and leave those rows as FA4 wrote them (``into``), reading and writing nothing there.
 
 Refusals found and kept out by ``supports``: float32, head dims over 256 or not a multiple of 8
-(sm100: up to 128, or 192/128, or 256/256), tensor masks, document ids (``fa4_documents.py`` runs
+(sm100: up to 128, or 192/128, or 256/256), tensor masks, document ids (``fa4_mask_mod.py`` runs
 them), a window with key padding (each row would need its own alignment), and the backward of GQA
 with ``d_qk != d_v`` ("GQA backward requires head_dim == head_dim_v"), which goes to cuDNN.
 """

@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 
-from attn_compile.kernels import dispatch, fa4, reference
+from attn_compile.kernels import dispatch, fa4, ranking, reference
 from attn_compile.kernels.triton_runs import fill_runs, find_runs, finish_key_grads
 from attn_compile.kernels.problem import Problem
 from oracle import naive_attention, rel_err
@@ -160,6 +160,14 @@ DISPATCH = {  # name: (problem, forward kernel, backward kernel)
     "document ids with a window": (_problem(is_causal=True, window=(8, -1), document_ids=torch.empty(0)), "triton",
                                    "triton"),
     "band FA4 cannot align": (_problem(window=(-1, 8), q_offset=0, k_offset=20), "triton", "triton"),
+    "key padding, 4096 tokens": (_problem(s_q=4096, s_k=4096, is_causal=True, key_padding_mask=torch.empty(0)),
+                                 "fa4 mask_mod", "fa4 mask_mod"),
+    "key padding, 8192 tokens": (_problem(s_q=8192, s_k=8192, is_causal=True, key_padding_mask=torch.empty(0)),
+                                 "fa4", "fa4"),
+    "key padding with a window": (_problem(is_causal=True, window=(8, -1), key_padding_mask=torch.empty(0)),
+                                  "triton", "fa4 mask_mod"),
+    "key padding, queries fewer than keys": (_problem(s_q=16, is_causal=True, key_padding_mask=torch.empty(0)),
+                                             "triton", "triton"),
 }
 
 
@@ -168,6 +176,20 @@ def test_dispatch_order(standin, name):
     problem, forward, backward = DISPATCH[name]
     for direction, expected in ((False, forward), (True, backward)):
         assert dispatch._first(dispatch.FUSED, _on(problem, backward=direction)).name == expected
+
+
+def test_every_measured_figure_names_a_kernel_of_its_class():
+    """A misspelt kernel in the table would leave its figure unused and the order silently fixed."""
+    for name, rows in ranking.TABLE.items():
+        kernels = dispatch.FUSED_VARLEN if name.startswith("packed") else dispatch.FUSED
+        for row in rows:
+            assert {*row.forward, *row.backward} <= {kernel.name for kernel in kernels}, name
+    classes = {ranking.problem_class(_problem(**masking), packed) for masking, packed in (
+        ({}, False), (dict(window=(4, 0)), False), (dict(is_causal=True, q_offset=8), False),
+        (dict(softcap=1.0), False), (dict(document_ids=torch.empty(0)), False),
+        (dict(document_ids=torch.empty(0), window=(4, 0)), False), (dict(key_padding_mask=torch.empty(0)), False),
+        (dict(key_padding_mask=torch.empty(0), window=(4, 0)), False), ({}, True))}
+    assert classes == set(ranking.TABLE)
 
 
 def test_dispatch_without_flash_attn_4_is_unchanged(monkeypatch):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import attn_compile  # noqa: F401
-from attn_compile.kernels import fa4, fa4_documents, select_kernel
+from attn_compile.kernels import fa4, fa4_mask_mod, select_kernel
 from attn_compile.kernels.documents import same_document_mask
 from attn_compile.kernels.problem import Problem, capability
 from attn_compile.kernels.result_layout import empty_out
@@ -125,6 +125,25 @@ def test_key_padding_against_float64(name):
     _check(q, k, v, name, is_causal=causal, key_padding_mask=key_padding(lengths, 256, side, holes).cuda())
 
 
+MASK_MOD_PADDED = {  # name: (lengths, side, holes, masking)
+    **{name: (lengths, side, holes, dict(is_causal=causal)) for name, (lengths, side, holes, causal) in PADDED.items()},
+    "right padding, causal window 64": ([256, 200, 77, 1], "right", False, dict(is_causal=True, window=(64, -1))),
+    "left padding, window (40, 24)": ([256, 200, 77, 1], "left", False, dict(window=(40, 24))),
+    "holes, mla 192/128": ([256, 200, 77, 3], "right", True, dict(is_causal=True)),
+}
+
+
+@pytest.mark.parametrize("name", list(MASK_MOD_PADDED))
+def test_key_padding_on_mask_mod_against_float64(name):
+    """Key padding as FA4's mask_mod, its block tables from the mask; windows included."""
+    torch.manual_seed(1)
+    lengths, side, holes, masking = MASK_MOD_PADDED[name]
+    d_qk, h_kv = (192, 8) if "mla" in name else (128, 2)
+    q, k, v = _qkv(len(lengths), 8, h_kv, 256, 256, d_qk, 128)
+    _check(q, k, v, name, kernel=fa4_mask_mod, key_padding_mask=key_padding(lengths, 256, side, holes).cuda(),
+           **masking)
+
+
 def _document_ids(rows):
     """(B, S) int64 ids: each row's documents of the given lengths, in order."""
     return torch.tensor([sum(([d] * n for d, n in enumerate(row)), []) for row in rows])
@@ -153,7 +172,7 @@ def test_document_ids_against_float64(name):
     torch.manual_seed(4)
     h_q, h_kv, s, d_qk, d_v, ids, masking = DOCUMENTS[name]
     q, k, v = _qkv(ids.shape[0], h_q, h_kv, s, s, d_qk, d_v)
-    _check(q, k, v, name, kernel=fa4_documents, document_ids=ids.cuda(), **masking)
+    _check(q, k, v, name, kernel=fa4_mask_mod, document_ids=ids.cuda(), **masking)
 
 
 def test_varlen_against_float64():
@@ -191,6 +210,10 @@ DISPATCH = {  # name: (h_q, h_kv, d_qk, d_v, masking, expected)
                      "fa4 mask_mod"),
     "document ids, window": (8, 2, 128, 128, dict(window=(64, 0), document_ids=torch.zeros(1, 256, dtype=torch.int32)),
                              "triton"),
+    "key padding": (8, 2, 128, 128, dict(is_causal=True, key_padding_mask=torch.ones(1, 256, dtype=torch.bool)),
+                    "fa4 mask_mod"),
+    "key padding, window": (8, 2, 128, 128, dict(window=(64, 0), key_padding_mask=torch.ones(1, 256, dtype=torch.bool)),
+                            "triton (backward fa4 mask_mod)"),
     "document ids, softcap": (8, 2, 128, 128, dict(is_causal=True, softcap=30.0,
                                                     document_ids=torch.zeros(1, 256, dtype=torch.int32)), "triton"),
 }

@@ -1,7 +1,7 @@
-"""Document ids on FlashAttention-4's mask_mod path (kernels/fa4_documents.py) on the CPU: the
-block tables its Triton kernel makes (under the interpreter), which problems it takes, and the
-whole path through a stand-in for FA4 that attends only where the tables send it (full blocks
-unmasked, partial blocks through the mask), against the float64 oracle. A table that misses a
+"""Document ids and key padding on FlashAttention-4's mask_mod path (kernels/fa4_mask_mod.py) on
+the CPU: the block tables its Triton kernel makes (under the interpreter), which problems it
+takes, and the whole path through a stand-in for FA4 that attends only where the tables send it
+(full blocks unmasked, partial blocks through the mask), against the float64 oracle. A table that misses a
 visible block, or calls a block full that is not, fails here. The real FA4 runs in
 tests/test_gpu_fa4.py."""
 import itertools
@@ -10,9 +10,9 @@ from typing import NamedTuple, Optional
 import pytest
 import torch
 
-from attn_compile.kernels import fa4, fa4_documents, reference
+from attn_compile.kernels import fa4, fa4_mask_mod, reference
 from attn_compile.kernels.documents import same_document_mask
-from attn_compile.kernels.triton_document_blocks import document_blocks
+from attn_compile.kernels.triton_mask_blocks import mask_blocks
 from attn_compile.kernels.visibility import visible
 from oracle import naive_attention, rel_err
 from test_fa4_adapter import _on, _problem
@@ -23,10 +23,12 @@ def _runs(lengths, s):
     return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[:s]
 
 
-def _visible(ids, band):
-    """(B, S, S) bool: which keys each query sees, in its document and the band (left, right)."""
+def _visible(ids, band, keys_only=False):
+    """(B, S, S) bool: which keys each query sees, in its document (``keys_only``: the real keys of
+    a key padding mask) and the band (left, right)."""
     positions = torch.arange(ids.shape[1])
-    return same_document_mask(ids)[:, 0] & visible(positions, positions, *band)
+    mask = ids.bool()[:, None, :].expand(-1, ids.shape[1], -1) if keys_only else same_document_mask(ids)[:, 0]
+    return mask & visible(positions, positions, *band)
 
 
 def _dense(counts, indices, columns):
@@ -68,22 +70,31 @@ TABLES = {  # name: (s, query block, key block, band (left, right), rows are que
 }
 
 
+@pytest.mark.parametrize("keys_only", [False, True], ids=["document ids", "key padding"])
 @pytest.mark.parametrize("name", list(TABLES))
-def test_block_tables(name):
-    """Row 0 holds documents as runs: its tables are exact. Row 1's ids come back after others:
-    every block with a visible pair is listed, and none is full that is not."""
+def test_block_tables(name, keys_only):
+    """Row 0 holds documents as runs (key padding: real keys, then padding, then real keys): its
+    tables are exact, but for key padding under a window's left side. Row 1's ids come back after
+    others (key padding: holes everywhere): every block with a visible pair is listed, and none is
+    full that is not."""
     s, query_block, key_block, band, rows_are_queries = TABLES[name]
     torch.manual_seed(0)
-    ids = torch.stack([_runs(torch.randint(1, 130, (40,)).tolist(), s), torch.randint(0, 3, (s,))])
-    tables = document_blocks(ids, query_block, key_block, band, rows_are_queries)
-    seen, full = _blocks_of(_visible(ids, band), query_block, key_block, rows_are_queries)
+    if keys_only:
+        ids = torch.stack([(torch.arange(s) < s // 3) | (torch.arange(s) >= s // 2), torch.rand(s) < 0.7])
+    else:
+        ids = torch.stack([_runs(torch.randint(1, 130, (40,)).tolist(), s), torch.randint(0, 3, (s,))])
+    tables = mask_blocks(ids.int() if keys_only else ids, query_block, key_block, band, rows_are_queries,
+                             keys_only=keys_only)
+    seen, full = _blocks_of(_visible(ids, band, keys_only), query_block, key_block, rows_are_queries)
     columns = seen.shape[-1]
     partial, listed_full = _dense(tables.partial_count, tables.partial_index, columns), \
         _dense(tables.full_count, tables.full_index, columns)
     assert not (partial & listed_full).any()
     assert ((partial | listed_full) >= seen).all()
     assert not (listed_full & ~full).any()
-    assert torch.equal(listed_full[0], full[0]) and torch.equal(partial[0], seen[0] & ~full[0])
+    assert torch.equal(listed_full[0], full[0])
+    if not (keys_only and band[0] >= 0):  # a key block can hold real keys and band pairs, apart
+        assert torch.equal(partial[0], seen[0] & ~full[0])
     assert listed_full[0].any() and partial[1].any()
 
 
@@ -99,7 +110,13 @@ SUPPORTS = {  # name: (problem, facts, taken)
     "window": (_problem(window=(8, 0), document_ids=torch.empty(0)), {}, True),
     "causal window": (_problem(is_causal=True, window=(8, -1), document_ids=torch.empty(0)), {}, True),
     "softcap": (_problem(is_causal=True, softcap=30.0, document_ids=torch.empty(0)), {}, False),
-    "key padding": (_problem(key_padding_mask=torch.empty(0), document_ids=torch.empty(0)), {}, False),
+    "document ids and key padding": (_problem(key_padding_mask=torch.empty(0), document_ids=torch.empty(0)), {},
+                                     False),
+    "key padding, causal, gqa": (_problem(h_q=8, h_kv=2, is_causal=True, key_padding_mask=torch.empty(0)), {}, True),
+    "key padding, window": (_problem(window=(8, 0), key_padding_mask=torch.empty(0)), {}, True),
+    "key padding, keys longer than queries": (_problem(s_q=16, is_causal=True, key_padding_mask=torch.empty(0)), {},
+                                              False),
+    "key padding, softcap": (_problem(softcap=30.0, key_padding_mask=torch.empty(0)), {}, False),
     "position offset": (_problem(is_causal=True, q_offset=32, k_offset=0, document_ids=torch.empty(0)), {}, False),
     "d 256": (_problem(d_qk=256, d_v=256, document_ids=torch.empty(0)), {}, False),
     "gqa+mla": (_problem(h_q=8, h_kv=2, d_qk=192, d_v=128, document_ids=torch.empty(0)), {}, False),
@@ -110,7 +127,13 @@ SUPPORTS = {  # name: (problem, facts, taken)
 @pytest.mark.parametrize("name", list(SUPPORTS))
 def test_supports(standin, name):
     problem, facts, taken = SUPPORTS[name]
-    assert fa4_documents.supports(_on(problem, **facts)) is taken
+    assert fa4_mask_mod.supports(_on(problem, **facts)) is taken
+
+
+def test_refused_without_triton(standin, monkeypatch):
+    """The block tables are a Triton kernel: without Triton the path takes nothing."""
+    monkeypatch.setattr(fa4_mask_mod, "_block_tables", lambda: None)
+    assert not fa4_mask_mod.supports(_on(_problem(is_causal=True, document_ids=torch.empty(0))))
 
 
 # The path through a stand-in --------------------------------------------------------------------------------
@@ -136,7 +159,7 @@ class StandIn:
         self.calls = []
 
     @staticmethod
-    def _attended(ids, band, tables, backward):
+    def _attended(ids, mask, tables, backward):
         block_q, block_k = tables.block_size
         s = ids.shape[1]
         rows = (block_k if backward else block_q)
@@ -147,12 +170,14 @@ class StandIn:
         partial, full = expand(partial), expand(full)
         if backward:
             partial, full = partial.transpose(1, 2), full.transpose(1, 2)
-        return (full | (partial & _visible(ids, band)))[:, None]
+        left, right, keys_only = mask
+        return (full | (partial & _visible(ids, (left, right), keys_only)))[:, None]
 
     def _flash_attn_fwd(self, q, k, v, softmax_scale, out, lse, return_lse, mask_mod, aux_tensors,
                         block_sparse_tensors):
         self.calls.append(("fwd", mask_mod, block_sparse_tensors.block_size))
         visible = self._attended(aux_tensors[0], mask_mod, block_sparse_tensors, backward=False)
+        assert aux_tensors[0].dtype != torch.bool and aux_tensors[0].is_contiguous()
         o, l = reference.attention_forward(*(x.transpose(1, 2).double() for x in (q, k, v)), scale=softmax_scale,
                                            attn_mask=visible)
         out.copy_(o.transpose(1, 2))
@@ -173,16 +198,19 @@ class StandIn:
 def standin(monkeypatch):
     stand_in = StandIn()
     monkeypatch.setattr(fa4, "interface", lambda: stand_in)
-    monkeypatch.setattr(fa4_documents, "_mask_mod", lambda left, right: (left, right))
-    monkeypatch.setattr(fa4_documents, "QUERY_BLOCK", 16)
-    monkeypatch.setattr(fa4_documents, "key_block", lambda d_qk, backward: 24 if backward else 8)
+    monkeypatch.setattr(fa4_mask_mod, "_mask_mod", lambda left, right, keys_only: (left, right, keys_only))
+    monkeypatch.setattr(fa4_mask_mod, "QUERY_BLOCK", 16)
+    monkeypatch.setattr(fa4_mask_mod, "key_block", lambda d_qk, backward: 24 if backward else 8)
     return stand_in
 
 
-IDS = {
-    "runs": lambda s: torch.stack([_runs([9, 30, 1, 40], s), _runs([s], s)]),
-    "ids that come back": lambda s: torch.stack([torch.arange(s) // 7 % 3, torch.arange(s) // 20 % 2]),
-    "bool ids": lambda s: torch.stack([torch.arange(s) < 33, torch.arange(s) % 40 < 25]),
+IDS = {  # name: (B, S) ids of one S, and whether they are a key padding mask
+    "runs": lambda s: (torch.stack([_runs([9, 30, 1, 40], s), _runs([s], s)]), False),
+    "ids that come back": lambda s: (torch.stack([torch.arange(s) // 7 % 3, torch.arange(s) // 20 % 2]), False),
+    "bool ids": lambda s: (torch.stack([torch.arange(s) < 33, torch.arange(s) % 40 < 25]), False),
+    "key padding, right and left": lambda s: (torch.stack([torch.arange(s) < 41, torch.arange(s) >= 29]), True),
+    "key padding, holes and a row without a real key": lambda s: (
+        torch.stack([(torch.arange(s) % 9 != 4) & (torch.arange(s) < 60), torch.zeros(s, dtype=torch.bool)]), True),
 }
 
 
@@ -200,21 +228,22 @@ def test_path_against_oracle(standin, ids, masking):
     """GQA, MLA head dims, projected (B, S, H, D) views, S = 70 (no block size divides it)."""
     torch.manual_seed(1)
     s = 70
-    document_ids = IDS[ids](s)
+    ids, keys_only = IDS[ids](s)
     q, k, v = (torch.randn(2, s, h, d).transpose(1, 2) for h, d in ((4, 24), (2, 24), (2, 16)))
     masking, band = MASKING[masking]
-    masking = dict(masking, document_ids=document_ids)
+    masking = dict(masking, **{"key_padding_mask" if keys_only else "document_ids": ids})
     scale = 24 ** -0.5
-    out, lse = fa4_documents.attention_forward(q, k, v, scale=scale, **masking)
+    out, lse = fa4_mask_mod.attention_forward(q, k, v, scale=scale, **masking)
     dout = torch.randn_like(out)
-    grads = fa4_documents.attention_backward(dout, q, k, v, out, lse, scale=scale, **masking)
+    grads = fa4_mask_mod.attention_backward(dout, q, k, v, out, lse, scale=scale, **masking)
     assert [call[0] for call in standin.calls] == ["fwd", "bwd"]
-    assert all(call[1] == band for call in standin.calls)
+    assert all(call[1] == (*band, keys_only) for call in standin.calls)
     assert [call[2] for call in standin.calls] == [(16, 8), (16, 24)]
     assert out.stride() == torch.empty(2, s, 4, 16).transpose(1, 2).stride()  # q's memory order
     qd, kd, vd = (x.double().requires_grad_() for x in (q, k, v))
-    oracle_masking = dict(masking, attn_mask=same_document_mask(document_ids))
-    del oracle_masking["document_ids"]
+    oracle_masking = dict(masking)
+    if not keys_only:
+        oracle_masking["attn_mask"] = same_document_mask(oracle_masking.pop("document_ids"))
     want = naive_attention(qd, kd, vd, **oracle_masking)
     want_grads = torch.autograd.grad(want, (qd, kd, vd), dout.double())
     errors = [rel_err(out, want), *(rel_err(g, w) for g, w in zip(grads, want_grads))]

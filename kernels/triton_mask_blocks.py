@@ -1,5 +1,8 @@
 """The block sparsity of a same-document mask, built on the device in one launch from (B, S)
-document ids, for FlashAttention-4's ``mask_mod`` path (``fa4_documents.py``); no host sync.
+document ids, for FlashAttention-4's ``mask_mod`` path (``fa4_mask_mod.py``); no host sync. A
+key padding mask is the same mask with ids on the keys alone (``keys_only``): 1 on a real key, 0
+on padding, and 1 on every query, so a key block of padding is skipped and one of real keys is
+full.
 
 FA4 takes a mask it has no flag for as ``mask_mod`` plus block tables: per row block, the column
 blocks it visits, split into *partial* ones (``mask_mod`` evaluated per element) and *full* ones
@@ -33,25 +36,31 @@ class BlockTables(NamedTuple):
 
 
 @triton.jit
-def _id_range(Ids, stride_s, s, first, size, SIZE: tl.constexpr):
+def _id_range(Ids, stride_s, s, first, size, SIZE: tl.constexpr, ALL_ONE: tl.constexpr):
     """(smallest id, largest id, whole) of each block of ``size`` positions starting at ``first``
-    (a vector of block starts); ``whole``: the block ends at or before s."""
-    positions = first[:, None] + tl.arange(0, SIZE)[None, :]
-    inside = (tl.arange(0, SIZE)[None, :] < size) & (positions < s)
-    ids = tl.load(Ids + positions * stride_s, mask=inside, other=0).to(tl.int64)
-    low = tl.min(tl.where(inside, ids, 9223372036854775807), 1)
-    high = tl.max(tl.where(inside, ids, -9223372036854775807), 1)
+    (a vector of block starts); ``whole``: the block ends at or before s. ``ALL_ONE``: the ids
+    are not read, every one is 1 (the queries of a key padding mask)."""
+    if ALL_ONE:
+        low = tl.zeros_like(first).to(tl.int64) + 1
+        high = low
+    else:
+        positions = first[:, None] + tl.arange(0, SIZE)[None, :]
+        inside = (tl.arange(0, SIZE)[None, :] < size) & (positions < s)
+        ids = tl.load(Ids + positions * stride_s, mask=inside, other=0).to(tl.int64)
+        low = tl.min(tl.where(inside, ids, 9223372036854775807), 1)
+        high = tl.max(tl.where(inside, ids, -9223372036854775807), 1)
     return low, high, first + size <= s
 
 
 @triton.jit
 def _blocks_kernel(Ids, PartialCount, PartialIndex, FullCount, FullIndex, s, stride_b, stride_s, row_size,
                    column_size, rows, columns, left, right, ROW_SIZE: tl.constexpr, COLUMN_SIZE: tl.constexpr,
-                   ROWS_ARE_QUERIES: tl.constexpr, BLOCK: tl.constexpr):
+                   ROWS_ARE_QUERIES: tl.constexpr, ROW_IDS_ONE: tl.constexpr, COLUMN_IDS_ONE: tl.constexpr,
+                   BLOCK: tl.constexpr):
     b, r = tl.program_id(0), tl.program_id(1)
     Ids += b * stride_b
     row_first = r * row_size + tl.zeros((1,), tl.int32)
-    row_low, row_high, row_whole = _id_range(Ids, stride_s, s, row_first, row_size, ROW_SIZE)
+    row_low, row_high, row_whole = _id_range(Ids, stride_s, s, row_first, row_size, ROW_SIZE, ROW_IDS_ONE)
     row_last = tl.minimum(row_first + row_size, s) - 1
     partial_count = tl.zeros((1,), tl.int32)
     full_count = tl.zeros((1,), tl.int32)
@@ -71,7 +80,7 @@ def _blocks_kernel(Ids, PartialCount, PartialIndex, FullCount, FullIndex, s, str
     for c0 in range(begin, end, BLOCK):
         c = c0 + tl.arange(0, BLOCK)
         first = c * column_size
-        low, high, whole = _id_range(Ids, stride_s, s, first, column_size, COLUMN_SIZE)
+        low, high, whole = _id_range(Ids, stride_s, s, first, column_size, COLUMN_SIZE, COLUMN_IDS_ONE)
         last = tl.minimum(first + column_size, s) - 1
         seen = (c < end) & (low <= row_high) & (high >= row_low)
         # one id on each side, and the ranges overlap (seen): the same id
@@ -91,19 +100,21 @@ def _blocks_kernel(Ids, PartialCount, PartialIndex, FullCount, FullIndex, s, str
     tl.store(FullCount + b * rows + r + tl.arange(0, 1), full_count)
 
 
-def document_blocks(document_ids, query_block, key_block, window, rows_are_queries=True) -> BlockTables:
-    """The tables of ``document_ids`` (B, S) under the band ``window`` = (left, right) (causal:
+def mask_blocks(ids, query_block, key_block, window, rows_are_queries=True, keys_only=False) -> BlockTables:
+    """The tables of (B, S) document ``ids`` under the band ``window`` = (left, right) (causal:
     ``visibility.effective_window``) for blocks of ``query_block`` queries and ``key_block`` keys:
-    per query block (forward) or, with ``rows_are_queries=False``, per key block (backward)."""
-    batch, s = document_ids.shape
+    per query block (forward) or, with ``rows_are_queries=False``, per key block (backward).
+    ``keys_only``: the ids are the keys' (a key padding mask as 0 and 1), every query's is 1."""
+    batch, s = ids.shape
     row_size, column_size = (query_block, key_block) if rows_are_queries else (key_block, query_block)
     rows, columns = triton.cdiv(s, row_size), triton.cdiv(s, column_size)
-    device = document_ids.device
+    device = ids.device
     counts = torch.empty(2, batch, 1, rows, dtype=torch.int32, device=device)
     indices = torch.empty(2, batch, 1, rows, columns, dtype=torch.int32, device=device)
     _blocks_kernel[(batch, rows)](
-        document_ids, counts[0], indices[0], counts[1], indices[1], s, document_ids.stride(0),
-        document_ids.stride(1), row_size, column_size, rows, columns, *window,
+        ids, counts[0], indices[0], counts[1], indices[1], s, ids.stride(0),
+        ids.stride(1), row_size, column_size, rows, columns, *window,
         ROW_SIZE=triton.next_power_of_2(row_size), COLUMN_SIZE=triton.next_power_of_2(column_size),
-        ROWS_ARE_QUERIES=rows_are_queries, BLOCK=BLOCK_COLUMNS)
+        ROWS_ARE_QUERIES=rows_are_queries, ROW_IDS_ONE=keys_only and rows_are_queries,
+        COLUMN_IDS_ONE=keys_only and not rows_are_queries, BLOCK=BLOCK_COLUMNS)
     return BlockTables(counts[0], indices[0], counts[1], indices[1])

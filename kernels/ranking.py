@@ -1,0 +1,96 @@
+"""The order in which the dispatch tries the kernels: per problem class and direction, fastest
+measured first (BENCHMARKS.md, "Kernels"; H100 80GB HBM3, torch 2.11, triton 3.6, flash-attn-4
+4.0.0b36). Kernels a row has no figure for follow the measured ones in the dispatch's fixed order,
+and a class without a row keeps that order.
+
+A class is what decides the relative speeds: the mask's kind (dense, window, position offset,
+softcap, document ids, key padding) and, for key padding, the length. A padded call of 4096
+tokens or fewer is bound by host time, which FA4's mask_mod path (one FA4 launch and its block
+tables) cuts by 0.6-1.2 ms per call against FA4's key padding path (two packed FA4 launches, the
+fills of the rows no call writes, the recompute of rows with holes); at 8192 tokens the packed
+path measured 3-13% faster on the GPU in five of six rows and directions (1% slower in one).
+"""
+import dataclasses
+import functools
+from typing import Optional
+
+from .problem import Problem
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: the dispatch caches its orders per row
+class Measured:
+    """One benchmark row: each kernel's figure, forward and backward alone, in ``unit``."""
+    forward: dict
+    backward: dict
+    unit: str  # "TFLOP/s" (higher is faster) or "ms" (lower is faster)
+    source: str
+    up_to: Optional[int] = None  # the row holds for calls of at most this many keys (None: any)
+
+    def speed(self, kernel: str, backward: bool) -> Optional[float]:
+        figure = (self.backward if backward else self.forward).get(kernel)
+        return None if figure is None else (figure if self.unit == "TFLOP/s" else 1 / figure)
+
+
+TABLE = {  # class: its rows, the shortest bound first
+    "dense": [Measured(
+        {"fa4": 671, "cudnn": 560, "triton": 460, "flash": 317},
+        {"fa4": 579, "cudnn": 504, "triton": 365, "flash": 296}, "TFLOP/s", "run D, MHA 32h d128 causal, S 8192")],
+    "window": [Measured({"fa4": 481, "triton": 388}, {"fa4": 404, "triton": 294}, "TFLOP/s",
+                        "run D, window 1024, 32h d128, S 8192")],
+    "position offset": [Measured({"fa4": 635, "triton": 454}, {"fa4": 609, "triton": 361}, "TFLOP/s",
+                                 "run D, ring step: causal, offset half a tile")],
+    "softcap": [Measured({"triton": 387, "fa4": 303}, {"fa4": 389, "triton": 336}, "TFLOP/s",
+                         "run D, MHA 32h d128 causal, softcap 50")],
+    "document ids": [Measured({"fa4 mask_mod": 552, "triton": 382}, {"fa4 mask_mod": 372, "triton": 276}, "TFLOP/s",
+                              "run K, 9 documents to 32K, MLA 16h")],
+    "document ids, window": [Measured(
+        {"triton": 0.347, "fa4 mask_mod": 0.387}, {"triton": 0.872, "fa4 mask_mod": 0.875}, "ms",
+        "Mistral-shaped B2 S 4096, GQA 32/8, causal window 1023, its packed rows' documents; the same order at 8192")],
+    "key padding, window": [Measured(
+        {"triton": 0.317, "fa4 mask_mod": 0.318}, {"fa4 mask_mod": 0.985, "triton": 1.080}, "ms",
+        "Mistral-shaped B2 S 4096, GQA 32/8, causal window 1023, a row right-padded by 1/8; the same order at 8192")],
+    "key padding": [
+        Measured({"fa4 mask_mod": 0.511, "fa4": 1.156}, {"fa4 mask_mod": 1.547, "fa4": 1.691}, "ms",
+                 "Llama-shaped B2 S 4096, GQA 32/8 causal, a row right-padded by 1/8", up_to=4096),
+        Measured({"fa4": 1.826, "fa4 mask_mod": 1.994}, {"fa4": 5.099, "fa4 mask_mod": 5.369}, "ms",
+                 "the same at S 8192"),
+    ],
+    "packed documents": [Measured({"fa4": 644, "triton": 407}, {"fa4": 448, "triton": 246}, "TFLOP/s",
+                                  "run D, varlen: 9 documents to 32K, MLA 16h")],
+}
+
+
+def problem_class(p: Problem, packed: bool = False) -> str:
+    """The class of ``p`` (``packed``: documents given as cumulative lengths, a varlen call)."""
+    if packed:
+        return "packed documents, window or softcap" if p.windowed or p.softcapped else "packed documents"
+    if p.has_mask:
+        return "tensor mask"
+    if p.softcapped:
+        return "softcap"
+    if p.has_documents or p.has_key_padding:
+        kind = "document ids" if p.has_documents else "key padding"
+        return f"{kind}, window" if p.windowed else kind
+    if p.offset:
+        return "position offset"
+    return "window" if p.windowed else "dense"
+
+
+def measured(p: Problem, packed: bool = False) -> Optional[Measured]:
+    """The row that orders the kernels for ``p``, or None."""
+    rows = TABLE.get(problem_class(p, packed), [])
+    return next((row for row in rows if row.up_to is None or p.s_k <= row.up_to), None)
+
+
+def ranked(kernels: tuple, p: Problem, packed: bool = False) -> tuple:
+    """``kernels`` (each with a ``name``) in the order the dispatch tries them for ``p``."""
+    return _ranked(kernels, measured(p, packed), p.backward)
+
+
+@functools.lru_cache(maxsize=None)
+def _ranked(kernels, row, backward):
+    if row is None:
+        return kernels
+    known = [kernel for kernel in kernels if row.speed(kernel.name, backward) is not None]
+    known.sort(key=lambda kernel: row.speed(kernel.name, backward), reverse=True)
+    return tuple(known) + tuple(kernel for kernel in kernels if kernel not in known)
