@@ -11,18 +11,26 @@ backends run the shapes SDPA can express; flex_attention runs the others (on the
 the peer to beat; ``--flex-everywhere`` adds them, at a minute of compiling each). A peer that
 cannot express a shape shows '-'; one that fails shows 'ERR'.
 
+``--candidates`` times instead every fused kernel the dispatch may choose for each shape, each
+called directly, in ms per call (host time included: a short call is bound by it), and prints
+the order that ``ranking.py`` gives the dispatch beside the measured one: the command that
+reproduces its figures and shows where they no longer hold.
+
     python -m attn_compile.kernels.bench_kernels [--peers cudnn,flash,fa4,flex] [--flex-everywhere]
-                                                 [--only NAME ...] [--plot out.png]
+                                                 [--only NAME ...] [--plot out.png] [--candidates]
 """
 import argparse
+import dataclasses
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
-from . import dispatch, fa4, triton_attention
+from . import dispatch, fa4, ranking, triton_attention
+from .problem import Problem
 from .visibility import effective_window
 
 
@@ -89,6 +97,10 @@ SHAPES = (
     Shape("Gemma 2: GQA 16/8 d256, window 4096, softcap 50", 16, 8, S, 256, 256, window=(4095, -1), softcap=50.0),
     Shape("right-padded B4 GQA 32/8 d128 causal", 32, 8, S, padding=(8192, 6000, 7000, 3000)),
     Shape("left-padded B4 GQA 32/8 d128 causal", 32, 8, S, padding=(8192, 6000, 7000, 3000), left=True),
+    Shape("Llama-shaped B2 S4096, a row right-padded by 1/8", 32, 8, 4096, padding=(4096, 3584)),
+    Shape("Llama-shaped B2 S8192, a row right-padded by 1/8", 32, 8, S, padding=(8192, 7168)),
+    Shape("Mistral-shaped B2 S4096, window 1023, a row right-padded by 1/8", 32, 8, 4096, window=(1023, -1),
+          padding=(4096, 3584)),
 )
 
 
@@ -298,6 +310,72 @@ def measure(shape: Shape, peers, flex_everywhere=False):
             for name, t in times.items()}
 
 
+def _packed(shape) -> bool:
+    """Documents given as cumulative lengths: a varlen call."""
+    return bool(shape.documents) and not shape.ids
+
+
+def _problem(shape, q, k, v) -> Problem:
+    masking = dict(is_causal=shape.is_causal, window=shape.window, softcap=shape.softcap)
+    if not _packed(shape):
+        masking.update(q_offset=shape.q_offset, k_offset=shape.k_offset,
+                       key_padding_mask=_key_padding(shape) if shape.padding else None,
+                       document_ids=_document_ids(shape)[None] if shape.ids else None)
+    return Problem.of(q, k, v, **masking)
+
+
+def candidates(problem: Problem, packed=False):
+    """[(kernel, takes the forward, takes the backward)] for every fused kernel that takes
+    ``problem`` in one direction or both, in the order the dispatch tries them for the forward."""
+    kernels = dispatch.FUSED_VARLEN if packed else dispatch.FUSED
+    backward = dataclasses.replace(problem, backward=True)
+    taken = [(kernel, kernel.supports(problem), kernel.supports(backward))
+             for kernel in ranking.ranked(kernels, problem, packed)]
+    return [entry for entry in taken if entry[1] or entry[2]]
+
+
+def measure_candidates(shape: Shape):
+    """{kernel name: (fwd ms, bwd ms)}, None for a direction the kernel does not take; each
+    backward from the dispatched forward's out and LSE (every kernel takes the same LSE)."""
+    torch.manual_seed(0)
+    q, k, v, dout = _inputs(shape)
+    dout = dout[0].transpose(0, 1).contiguous() if _packed(shape) else dout
+    problem = _problem(shape, q, k, v)
+    out, lse = _calls(dispatch, shape, q, k, v)[0]()
+    results = {}
+    for kernel, takes_forward, takes_backward in candidates(problem, _packed(shape)):
+        entries = SimpleNamespace(attention_forward=kernel.forward, attention_backward=kernel.backward,
+                                  varlen_forward=kernel.forward, varlen_backward=kernel.backward)
+        forward, backward = _calls(entries, shape, q, k, v)
+        results[kernel.name] = (_median_ms(forward) if takes_forward else None,
+                                _median_ms(lambda: backward(dout, out, lse)) if takes_backward else None)
+    return problem, results
+
+
+def _dispatched(problem, packed, backward) -> str:
+    """The name of the kernel the dispatch runs ``problem`` on in one direction."""
+    kernels = dispatch.FUSED_VARLEN if packed else dispatch.FUSED
+    kernel = dispatch._first(kernels, dataclasses.replace(problem, backward=backward), packed)
+    return dispatch.REFERENCE if kernel is None else kernel.name
+
+
+def candidates_table(rows) -> str:
+    """Per shape and kernel, fwd / bwd ms; per shape and direction, the dispatch's kernel and the
+    fastest measured one."""
+    lines = []
+    for shape, problem, results in rows:
+        lines.append(shape.name)
+        lines += [f"  {name:14s} " + " / ".join("-" if ms is None else f"{ms:.3f}" for ms in times) + " ms"
+                  for name, times in results.items()]
+        for index, direction in enumerate(("forward", "backward")):
+            timed = {name: times[index] for name, times in results.items() if times[index] is not None}
+            chosen = _dispatched(problem, _packed(shape), bool(index))
+            fastest = min(timed, key=timed.get) if timed else None
+            verdict = "agrees" if chosen == fastest else "DIFFERS"
+            lines.append(f"  {direction}: the dispatch runs {chosen}, fastest measured {fastest}: {verdict}")
+    return "\n".join(lines)
+
+
 def _rate(result, index):
     """TFLOP/s of one direction, or None where the kernel did not run or failed."""
     value = None if result is None else result[index]
@@ -354,18 +432,20 @@ def plot(rows, peers, path):
 
 
 def _chosen(shape):
-    """The kernel the dispatch picks for the shape (forward, and backward where it differs)."""
-    q, k, v, _ = _inputs(Shape(shape.name, shape.h_q, shape.h_kv, 128, shape.d_qk, shape.d_v))
-    masking = dict(is_causal=shape.is_causal, window=shape.window, softcap=shape.softcap, q_offset=shape.q_offset,
-                   k_offset=shape.k_offset)
-    if shape.documents and not shape.ids:
-        return "varlen " + dispatch.select_varlen_kernel(q, k, v, is_causal=shape.is_causal, window=shape.window,
-                                                         softcap=shape.softcap)
-    if shape.ids:
-        masking["document_ids"] = torch.zeros(1, 128, dtype=torch.int32, device="cuda")
-    if shape.padding:
-        masking["key_padding_mask"] = torch.ones(1, 128, dtype=torch.bool, device="cuda")
-    return dispatch.select_kernel(q, k, v, **masking)
+    """The kernel the dispatch picks for the shape (forward, and backward where it differs), from
+    the shape's metadata: q, k, v are broadcast views of one element each."""
+    def view(h, d):
+        return torch.empty(1, 1, 1, 1, device="cuda", dtype=torch.bfloat16).expand(shape.batch, h, shape.s, d)
+
+    problem = _problem(shape, view(shape.h_q, shape.d_qk), view(shape.h_kv, shape.d_qk), view(shape.h_kv, shape.d_v))
+    return described(problem, _packed(shape))
+
+
+def described(problem, packed=False) -> str:
+    """'kernel', or 'kernel (backward other)': what the dispatch runs ``problem`` on, as ``explain``
+    says it; 'varlen kernel' for packed documents."""
+    forward, backward = (_dispatched(problem, packed, direction) for direction in (False, True))
+    return ("varlen " if packed else "") + forward + ("" if backward == forward else f" (backward {backward})")
 
 
 def main(argv=None):
@@ -374,6 +454,8 @@ def main(argv=None):
     parser.add_argument("--flex-everywhere", action="store_true", help="run flex_attention on SDPA's shapes too")
     parser.add_argument("--only", nargs="*", default=(), help="run only shapes whose name contains one of these")
     parser.add_argument("--plot", help="also draw the table into this PNG (needs matplotlib)")
+    parser.add_argument("--candidates", action="store_true",
+                        help="time every kernel the dispatch may choose per shape, against ranking.py's order")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device (torch.cuda.is_available() is False here)")
@@ -385,12 +467,17 @@ def main(argv=None):
         "flash-attn-4")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", __import__("triton").__version__,
           "flash-attn-4", fa4_version)
-    print("op kernels:", "; ".join(f"{shape.name}: {_chosen(shape)}" for shape in SHAPES
-                                    if not args.only or any(word in shape.name for word in args.only)))
+    shapes = [shape for shape in SHAPES if not args.only or any(word in shape.name for word in args.only)]
+    if args.candidates:
+        rows = []
+        for shape in shapes:
+            rows.append((shape, *measure_candidates(shape)))
+            print(candidates_table(rows[-1:]), flush=True)
+            torch.cuda.empty_cache()
+        return
+    print("op kernels:", "; ".join(f"{shape.name}: {_chosen(shape)}" for shape in shapes))
     rows = []
-    for shape in SHAPES:
-        if args.only and not any(word in shape.name for word in args.only):
-            continue
+    for shape in shapes:
         results = measure(shape, peers, args.flex_everywhere)
         rows.append((shape, results))
         print(shape.name, "fwd/bwd:", ", ".join(f"{k} {_cell(r, 0)}/{_cell(r, 1)}" for k, r in results.items()),

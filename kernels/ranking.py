@@ -9,6 +9,8 @@ tokens or fewer is bound by host time, which FA4's mask_mod path (one FA4 launch
 tables) cuts by 0.6-1.2 ms per call against FA4's key padding path (two packed FA4 launches, the
 fills of the rows no call writes, the recompute of rows with holes); at 8192 tokens the packed
 path measured 3-13% faster on the GPU in five of six rows and directions (1% slower in one).
+``python -m attn_compile.bench kernels --candidates`` times every kernel the dispatch may choose
+for each benchmark shape and says where this table's order no longer holds.
 """
 import dataclasses
 import functools
@@ -47,13 +49,14 @@ TABLE = {  # class: its rows, the shortest bound first
         {"triton": 0.347, "fa4 mask_mod": 0.387}, {"triton": 0.872, "fa4 mask_mod": 0.875}, "ms",
         "Mistral-shaped B2 S 4096, GQA 32/8, causal window 1023, its packed rows' documents; the same order at 8192")],
     "key padding, window": [Measured(
-        {"triton": 0.317, "fa4 mask_mod": 0.318}, {"fa4 mask_mod": 0.985, "triton": 1.080}, "ms",
-        "Mistral-shaped B2 S 4096, GQA 32/8, causal window 1023, a row right-padded by 1/8; the same order at 8192")],
+        {"triton": 0.319, "fa4 mask_mod": 0.325}, {"fa4 mask_mod": 0.992, "triton": 1.050}, "ms",
+        "bench kernels --candidates, Mistral-shaped B2 S4096, window 1023, a row right-padded by 1/8")],
     "key padding": [
-        Measured({"fa4 mask_mod": 0.511, "fa4": 1.156}, {"fa4 mask_mod": 1.547, "fa4": 1.691}, "ms",
-                 "Llama-shaped B2 S 4096, GQA 32/8 causal, a row right-padded by 1/8", up_to=4096),
+        Measured({"fa4 mask_mod": 0.490, "triton": 0.615, "fa4": 0.903},
+                 {"fa4 mask_mod": 1.492, "fa4": 1.595, "triton": 2.057}, "ms",
+                 "bench kernels --candidates, Llama-shaped B2 S4096, a row right-padded by 1/8", up_to=4096),
         Measured({"fa4": 1.826, "fa4 mask_mod": 1.994}, {"fa4": 5.099, "fa4 mask_mod": 5.369}, "ms",
-                 "the same at S 8192"),
+                 "Llama-shaped B2 S8192, a row right-padded by 1/8, each path called directly (BENCHMARKS.md)"),
     ],
     "packed documents": [Measured({"fa4": 644, "triton": 407}, {"fa4": 448, "triton": 246}, "TFLOP/s",
                                   "run D, varlen: 9 documents to 32K, MLA 16h")],
