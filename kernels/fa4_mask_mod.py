@@ -37,8 +37,8 @@ def _mask_mod(left, right, keys_only):
     """The FA4 ``mask_mod`` (CuTe DSL) of the same-document mask ANDed with the band
     ``i - left <= j <= i + right`` (-1 unbounded), made once per band; ``keys_only``: the ids are
     a key padding mask's (1 on a real key), and every query's id is 1. FA4's compile cache keys
-    on the function's source and the reprs of what it captures, so it captures only modules and
-    ints (a function's repr holds its address, which changes from process to process)."""
+    on the function's source and the reprs of what it captures, so it captures only modules, ints
+    and a bool (a function's repr holds its address, which changes from process to process)."""
     import cutlass
     import cutlass.cute as cute
     from flash_attn.cute import utils
