@@ -134,15 +134,27 @@ def _kernels(kernels):
     return make
 
 
+def _packed(shape) -> bool:
+    """Documents given as cumulative lengths: a varlen call."""
+    return bool(shape.documents) and not shape.ids
+
+
+def _masking(shape) -> dict:
+    """The shape's mask arguments (packed documents: the causal mask, window and softcap only)."""
+    masking = dict(is_causal=shape.is_causal, window=shape.window, softcap=shape.softcap)
+    if not _packed(shape):
+        masking.update(q_offset=shape.q_offset, k_offset=shape.k_offset)
+        if shape.padding:
+            masking["key_padding_mask"] = _key_padding(shape)
+        if shape.ids:
+            masking["document_ids"] = _document_ids(shape)[None]
+    return masking
+
+
 def _calls(kernels, shape, q, k, v):
-    scale = shape.d_qk ** -0.5
-    masking = dict(scale=scale, is_causal=shape.is_causal, window=shape.window, softcap=shape.softcap)
+    masking = dict(_masking(shape), scale=shape.d_qk ** -0.5)
     q, k, v = (x.detach() for x in (q, k, v))
-    if shape.padding:
-        masking["key_padding_mask"] = _key_padding(shape)
-    if shape.ids:
-        masking["document_ids"] = _document_ids(shape)[None]
-    if shape.documents and not shape.ids:
+    if _packed(shape):
         cu = torch.tensor((0, *shape.documents), device="cuda").cumsum(0).int()
         lengths = (cu, cu, max(shape.documents), max(shape.documents))
         q, k, v = (x[0].transpose(0, 1).contiguous() for x in (q, k, v))  # packed (total, H, D)
@@ -153,8 +165,6 @@ def _calls(kernels, shape, q, k, v):
         def backward(dout, out, lse):
             return kernels.varlen_backward(dout, q, k, v, out, lse, *lengths, **masking)
     else:
-        masking.update(q_offset=shape.q_offset, k_offset=shape.k_offset)
-
         def forward():
             return kernels.attention_forward(q, k, v, **masking)
 
@@ -310,20 +320,6 @@ def measure(shape: Shape, peers, flex_everywhere=False):
             for name, t in times.items()}
 
 
-def _packed(shape) -> bool:
-    """Documents given as cumulative lengths: a varlen call."""
-    return bool(shape.documents) and not shape.ids
-
-
-def _problem(shape, q, k, v) -> Problem:
-    masking = dict(is_causal=shape.is_causal, window=shape.window, softcap=shape.softcap)
-    if not _packed(shape):
-        masking.update(q_offset=shape.q_offset, k_offset=shape.k_offset,
-                       key_padding_mask=_key_padding(shape) if shape.padding else None,
-                       document_ids=_document_ids(shape)[None] if shape.ids else None)
-    return Problem.of(q, k, v, **masking)
-
-
 def candidates(problem: Problem, packed=False):
     """[(kernel, takes the forward, takes the backward)] for every fused kernel that takes
     ``problem`` in one direction or both, in the order the dispatch tries them for the forward."""
@@ -340,7 +336,7 @@ def measure_candidates(shape: Shape):
     torch.manual_seed(0)
     q, k, v, dout = _inputs(shape)
     dout = dout[0].transpose(0, 1).contiguous() if _packed(shape) else dout
-    problem = _problem(shape, q, k, v)
+    problem = Problem.of(q, k, v, **_masking(shape))
     out, lse = _calls(dispatch, shape, q, k, v)[0]()
     results = {}
     for kernel, takes_forward, takes_backward in candidates(problem, _packed(shape)):
@@ -350,13 +346,6 @@ def measure_candidates(shape: Shape):
         results[kernel.name] = (_median_ms(forward) if takes_forward else None,
                                 _median_ms(lambda: backward(dout, out, lse)) if takes_backward else None)
     return problem, results
-
-
-def _dispatched(problem, packed, backward) -> str:
-    """The name of the kernel the dispatch runs ``problem`` on in one direction."""
-    kernels = dispatch.FUSED_VARLEN if packed else dispatch.FUSED
-    kernel = dispatch._first(kernels, dataclasses.replace(problem, backward=backward), packed)
-    return dispatch.REFERENCE if kernel is None else kernel.name
 
 
 def candidates_table(rows) -> str:
@@ -369,7 +358,7 @@ def candidates_table(rows) -> str:
                   for name, times in results.items()]
         for index, direction in enumerate(("forward", "backward")):
             timed = {name: times[index] for name, times in results.items() if times[index] is not None}
-            chosen = _dispatched(problem, _packed(shape), bool(index))
+            chosen = dispatch.kernel_name(dataclasses.replace(problem, backward=bool(index)), _packed(shape))
             fastest = min(timed, key=timed.get) if timed else None
             verdict = "agrees" if chosen == fastest else "DIFFERS"
             lines.append(f"  {direction}: the dispatch runs {chosen}, fastest measured {fastest}: {verdict}")
@@ -437,15 +426,15 @@ def _chosen(shape):
     def view(h, d):
         return torch.empty(1, 1, 1, 1, device="cuda", dtype=torch.bfloat16).expand(shape.batch, h, shape.s, d)
 
-    problem = _problem(shape, view(shape.h_q, shape.d_qk), view(shape.h_kv, shape.d_qk), view(shape.h_kv, shape.d_v))
+    problem = Problem.of(view(shape.h_q, shape.d_qk), view(shape.h_kv, shape.d_qk), view(shape.h_kv, shape.d_v),
+                         **_masking(shape))
     return described(problem, _packed(shape))
 
 
 def described(problem, packed=False) -> str:
-    """'kernel', or 'kernel (backward other)': what the dispatch runs ``problem`` on, as ``explain``
-    says it; 'varlen kernel' for packed documents."""
-    forward, backward = (_dispatched(problem, packed, direction) for direction in (False, True))
-    return ("varlen " if packed else "") + forward + ("" if backward == forward else f" (backward {backward})")
+    """What the dispatch runs ``problem`` on, as ``explain`` says it; 'varlen ...' for packed
+    documents."""
+    return ("varlen " if packed else "") + dispatch.describe(problem, packed)
 
 
 def main(argv=None):

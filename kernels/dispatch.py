@@ -21,6 +21,7 @@ global positions ``q_offset + i`` / ``k_offset + j``. All that apply are ANDed. 
 caps the scaled scores before the masks (``softcap * tanh(scores / softcap)``); only FA4, Triton
 and the reference take it.
 """
+import dataclasses
 import functools
 
 import torch
@@ -59,16 +60,28 @@ def select_kernel(q, k, v, document_ids=None, **masking) -> str:
     'triton') where one takes the call, else to 'varlen:<kernel>', the packed kernel that runs
     documents in contiguous runs after reading them on the host (ids that come back after
     another run on the reference)."""
-    kernel = _fused_kernel(q, k, v, masking, document_ids)
-    if kernel is not None:
-        backward = _fused_kernel(q, k, v, masking, document_ids, backward=True)
-        return kernel.name if backward is kernel else f"{kernel.name} (backward {backward.name})"
+    problem = Problem.of(q, k, v, **masking, document_ids=document_ids)
+    if _first(FUSED, problem) is not None:
+        return describe(problem)
     if document_ids is not None:
         if masking.get("key_padding_mask") is not None:  # see _documents_as_varlen
             return REFERENCE
         kernel = _varlen_kernel_of(Problem.of(q, k, v, **_positional(masking)))
         return f"varlen:{kernel.name if kernel else REFERENCE}"
     return REFERENCE
+
+
+def kernel_name(problem, packed=False) -> str:
+    """The kernel that runs ``problem`` in its direction (``packed``: documents given as
+    cumulative lengths), or 'reference'."""
+    kernel = _first(FUSED_VARLEN if packed else FUSED, problem, packed)
+    return REFERENCE if kernel is None else kernel.name
+
+
+def describe(problem, packed=False) -> str:
+    """'name', or 'name (backward other)' where the backward runs on another kernel."""
+    forward, backward = (kernel_name(dataclasses.replace(problem, backward=b), packed) for b in (False, True))
+    return forward if backward == forward else f"{forward} (backward {backward})"
 
 
 def _documents_as_varlen(document_ids, masking):
