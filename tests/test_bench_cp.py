@@ -1,6 +1,6 @@
 """The context-parallel benchmark's CPU parts: its `auto` row, its refusal to run outside torchrun
-(the timing itself needs GPUs), and both checks on CPU gloo ranks: the dense one prints each case
-as it finishes, the packed documents' one passes."""
+(the timing itself needs GPUs), its interleaved rounds (with a stand-in timer), and both checks on
+CPU gloo ranks: the dense one prints each case as it finishes, the packed documents' one passes."""
 import io
 import os
 from contextlib import redirect_stdout
@@ -70,3 +70,62 @@ def _documents_check_on_cpu(rank, world):
 
 def test_documents_check_passes():
     run_distributed(_documents_check_on_cpu, 2)
+
+
+def test_rows_are_warmed_then_timed_in_rotating_rounds():
+    """Every call warms before any is timed; round r starts at row r; each call reports the median
+    of its rounds, so one slow round (the first, on GPUs that were idle) does not set a row's figure."""
+    calls = []
+    rows = {name: [lambda name=name, i=i: calls.append((name, i)) for i in range(n)]
+            for name, n in (("local", 2), ("ring", 2), ("auto, no grad", 1))}
+    timed, figures = [], iter([9.0, 9.5, 2.0, 3.0, 1.0] + [1.0, 2.0, 3.0, 2.0, 3.0] * 2)
+
+    def fake_time(call, warmup):
+        assert warmup == 0, "rounds only time: the warm-up ran before them"
+        call()
+        timed.append(calls[-1])
+        return next(figures)
+
+    ms = bench.interleaved_ms(rows, 3, time=fake_time)
+    warm = calls[:5 * bench.WARMUP]
+    assert sorted(set(warm)) == sorted(set(timed)) and len(warm) == 5 * bench.WARMUP, warm
+    order = [name for name, i in timed if i == 0]
+    assert order == ["local", "ring", "auto, no grad", "ring", "auto, no grad", "local",
+                     "auto, no grad", "local", "ring"], order
+    # local timed 9.0, 9.5 in round 0, then 2.0, 3.0 in rounds 1 and 2; ring 2, 3 then 1, 2 then 2, 3
+    assert ms == {"local": [2.0, 3.0], "ring": [2.0, 3.0], "auto, no grad": [1.0]}, ms
+
+
+def test_rounds_must_be_positive(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--rounds", "0"])
+    assert exit_info.value.code == 2
+    assert "--rounds must be at least 1, got 0" in capsys.readouterr().err
+
+
+def _benchmark_on_cpu(rank, world):
+    """The whole timed benchmark at a tiny shape, with a counting timer in place of CUDA events."""
+    bench.DEVICE, bench.CONFIGS = "cpu", {"gqa 4/2 d16/8": (4, 2, 16, 8)}
+    torch.cuda.get_device_name = lambda: "cpu"
+    timed = []
+
+    def count(call, warmup):
+        call()
+        timed.append(call)
+        return 1.0
+
+    interleaved = bench.interleaved_ms
+    bench.interleaved_ms = lambda rows, rounds: interleaved(rows, rounds, time=count)
+    printed = io.StringIO()
+    with redirect_stdout(printed):
+        bench.benchmark([256], bench._groups(world), rounds=2)
+    # local 2 calls, ring, all-gather and Ulysses 2 each, auto 2, auto without grad 1; each round
+    assert len(timed) == 2 * 11, len(timed)
+    if rank == 0:
+        rows = [line.split()[0] for line in printed.getvalue().splitlines()[2:] if "torch CP" not in line]
+        assert rows == ["local,", "ring", "allgather", "ulysses", "auto", "auto"], printed.getvalue()
+        assert "the median of 2 interleaved rounds" in printed.getvalue()
+
+
+def test_benchmark_times_every_row_in_rounds():
+    run_distributed(_benchmark_on_cpu, 2)

@@ -12,7 +12,12 @@ Timing is the median over calls with the L2 cache flushed before each, as
 ``triton.testing.do_bench`` does, but with fixed counts: do_bench sizes its repeat count from a
 per-rank time estimate, and ranks that repeat a different number of times hang in the
 collectives. Every rank reports the slowest rank's median. The local kernels are timed the same
-way, so every row is measured alike.
+way, so every row is measured alike. A shape's rows (local, each strategy, ``auto``) are warmed
+first, then timed in ``--rounds`` interleaved rounds, each round starting one row later, and each
+row reports its median over the rounds: rows timed one after another drift (GPUs idle before the
+first row clock higher), so a fixed order would favour whichever row comes first. A shape's table
+prints when its rounds end; PyTorch's rows are timed once, before them, inside its
+``context_parallel`` context.
 
 ``--check``: bf16 context-parallel output and gradients against the float32 reference on one GPU
 (``kernels/reference.py``: plain matmuls, so the oracle shares no kernel with what it checks),
@@ -29,6 +34,7 @@ import argparse
 import itertools
 import math
 import os
+import statistics
 
 import torch
 import torch.distributed as dist
@@ -68,9 +74,9 @@ def _runnable(groups, h_q, world):
     return [(s, g) for s, g in groups.items() if s != "ulysses" or h_q % world == 0]
 
 
-def _collective_median_ms(fn) -> float:
+def _collective_median_ms(fn, warmup=WARMUP) -> float:
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device=DEVICE)
-    for _ in range(WARMUP):
+    for _ in range(warmup):
         fn()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(REPEAT)]
     for start, end in events:
@@ -95,7 +101,25 @@ def _inputs(h_q, h_kv, d_qk, d_v, seq, dtype=torch.bfloat16, requires_grad=True)
     return [torch.randn(1, h, seq, d, device=DEVICE, dtype=dtype, requires_grad=requires_grad) for h, d in shapes]
 
 
-def _local_ms(h_q, h_kv, d_qk, d_v, seq):
+def interleaved_ms(rows, rounds, time=None) -> dict:
+    """{name: [median ms of each callable]} for ``rows`` {name: [callables]}: every callable warmed,
+    then ``rounds`` rounds that each time every row, round r starting at row r, and per callable
+    the median over the rounds. Every rank runs the same order, so the collectives match."""
+    time = time or _collective_median_ms
+    for calls in rows.values():
+        for call in calls:
+            for _ in range(WARMUP):
+                call()
+    names = list(rows)
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append([time(call, warmup=0) for call in rows[name]])
+    return {name: [statistics.median(column) for column in zip(*per_round)] for name, per_round in times.items()}
+
+
+def _local_calls(h_q, h_kv, d_qk, d_v, seq):
+    """The forward and the forward+backward of the single-GPU op on one GPU's inputs."""
     q, k, v = _inputs(h_q, h_kv, d_qk, d_v, seq, requires_grad=False)
     scale = d_qk ** -0.5
     out, lse = attention_forward(q, k, v, scale=scale, is_causal=True)
@@ -105,8 +129,7 @@ def _local_ms(h_q, h_kv, d_qk, d_v, seq):
         o, l = attention_forward(q, k, v, scale=scale, is_causal=True)
         return attention_backward(dout, q, k, v, o, l, scale=scale, is_causal=True)
 
-    return _collective_median_ms(lambda: attention_forward(q, k, v, scale=scale, is_causal=True)), \
-        _collective_median_ms(fwd_bwd)
+    return [lambda: attention_forward(q, k, v, scale=scale, is_causal=True), fwd_bwd]
 
 
 def _torch_cp_ms(mesh, h_q, h_kv, d_qk, d_v, seq, rotate):
@@ -149,18 +172,37 @@ def auto_name(q, k, v, groups) -> str:
     return f"auto -> {choose_strategy(q, k, v, groups, is_causal=True)}"
 
 
-def benchmark(seqs, groups) -> None:
+def _strategy_rows(groups, h_q, h_kv, d_qk, d_v, seq) -> dict:
+    """{row name: [forward, forward+backward]} of every strategy and ``auto``, and ``auto``'s forward
+    under ``torch.no_grad()``, on shards of fresh global inputs."""
+    rows = {}
+    for strategy, group in [*_runnable(groups, h_q, dist.get_world_size()), ("auto", dist.group.WORLD)]:
+        q, k, v = (shard_sequence(x, group).detach().requires_grad_()
+                   for x in _inputs(h_q, h_kv, d_qk, d_v, seq, requires_grad=False))
+        name = strategy if strategy != "auto" else auto_name(q, k, v, process_groups(group))
+        rows[name] = list(_fwd_and_bwd(lambda q, k, v, group=group, strategy=strategy: context_parallel_attention(
+            q, k, v, group=group, strategy=strategy, is_causal=True), q, k, v))
+    # inference: no gradient needed, so auto chooses for the forward alone
+    world_group = dist.group.WORLD
+    q, k, v = (shard_sequence(x, world_group) for x in _inputs(h_q, h_kv, d_qk, d_v, seq, requires_grad=False))
+
+    def no_grad_forward():
+        with torch.no_grad():
+            return context_parallel_attention(q, k, v, group=world_group, strategy="auto", is_causal=True)
+
+    rows[f"{auto_name(q, k, v, process_groups(world_group))}, no grad"] = [no_grad_forward]
+    return rows
+
+
+def benchmark(seqs, groups, rounds) -> None:
     world = dist.get_world_size()
     torch_cp_mesh = init_device_mesh(DEVICE, (world,))
-    say(f"context parallel, {world}x {torch.cuda.get_device_name()}, bf16, causal, batch 1. TFLOP/s per GPU; "
-        "ratios vs the single-GPU local kernels and vs the best PyTorch CP, fwd / fwd+bwd")
+    say(f"context parallel, {world}x {torch.cuda.get_device_name()}, bf16, causal, batch 1. TFLOP/s per GPU, "
+        f"the median of {rounds} interleaved rounds; ratios vs the single-GPU local kernels and vs the best "
+        "PyTorch CP, fwd / fwd+bwd")
     for (config, (h_q, h_kv, d_qk, d_v)), seq in ((c, s) for c in CONFIGS.items() for s in seqs):
         per_gpu = [_flops(h_q, seq, d_qk, d_v, bwd) / world / 1e9 for bwd in (False, True)]  # TFLOP per ms
         say(f"{f'{config}, {seq} tokens':30s} {'fwd':>7s} {'fwd+bwd':>8s}   {'vs local':>12s}   {'vs torch CP':>12s}")
-        local_seq = int(seq / math.sqrt(world)) // 128 * 128
-        local_ms = _local_ms(h_q, h_kv, d_qk, d_v, local_seq)
-        local = [_flops(h_q, local_seq, d_qk, d_v, bwd) / 1e9 / ms for bwd, ms in zip((False, True), local_ms)]
-        say(_row(f"local, {local_seq} tokens", local))
         peers = []
         for rotate in ("allgather", "alltoall"):
             try:
@@ -168,25 +210,20 @@ def benchmark(seqs, groups) -> None:
             except Exception as error:  # the peer has known gaps (e.g. MLA); report them and go on
                 say(f"  torch CP {rotate}: failed, {type(error).__name__}: {str(error)[:150]}")
                 continue
-            peers.append([f / t for f, t in zip(per_gpu, ms)])
-            say(_row(f"torch CP {rotate}", peers[-1], local))
-        best_peer = max(peers, key=lambda p: p[1]) if peers else None
-        for strategy, group in [*_runnable(groups, h_q, world), ("auto", dist.group.WORLD)]:
-            q, k, v = (shard_sequence(x, group).detach().requires_grad_()
-                       for x in _inputs(h_q, h_kv, d_qk, d_v, seq, requires_grad=False))
-            fwd, fwd_bwd = _fwd_and_bwd(lambda q, k, v: context_parallel_attention(
-                q, k, v, group=group, strategy=strategy, is_causal=True), q, k, v)
-            ms = _collective_median_ms(fwd), _collective_median_ms(fwd_bwd)
-            name = strategy if strategy != "auto" else auto_name(q, k, v, process_groups(group))
-            say(_row(name, [f / t for f, t in zip(per_gpu, ms)], local, best_peer))
-        # inference: no gradient needed, so auto chooses for the forward alone
-        world_group = dist.group.WORLD
-        q, k, v = (shard_sequence(x, world_group) for x in _inputs(h_q, h_kv, d_qk, d_v, seq, requires_grad=False))
-        with torch.no_grad():
-            ms = _collective_median_ms(lambda: context_parallel_attention(
-                q, k, v, group=world_group, strategy="auto", is_causal=True))
-        name = f"{auto_name(q, k, v, process_groups(world_group))}, no grad"
-        say(_row(name, [per_gpu[0] / ms, None], local, best_peer))
+            peers.append((f"torch CP {rotate}", [f / t for f, t in zip(per_gpu, ms)]))
+        best_peer = max((p for _, p in peers), key=lambda p: p[1]) if peers else None
+        local_seq = int(seq / math.sqrt(world)) // 128 * 128
+        local_name = f"local, {local_seq} tokens"
+        rows = {local_name: _local_calls(h_q, h_kv, d_qk, d_v, local_seq),
+                **_strategy_rows(groups, h_q, h_kv, d_qk, d_v, seq)}
+        ms = interleaved_ms(rows, rounds)
+        local = [_flops(h_q, local_seq, d_qk, d_v, bwd) / 1e9 / t for bwd, t in zip((False, True), ms[local_name])]
+        say(_row(local_name, local))
+        for name, tflops in peers:
+            say(_row(name, tflops, local))
+        for name, times in ms.items():
+            if name != local_name:
+                say(_row(name, [f / t for f, t in zip(per_gpu, times)] + [None] * (2 - len(times)), local, best_peer))
 
 
 def _rel_err(got, want) -> float:
@@ -241,11 +278,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m attn_compile.bench cp")
     parser.add_argument("--seq", type=int, nargs="+", default=None,
                         help="global tokens (default 65536 131072; --check: 8192)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="interleaved timing rounds per shape; each row reports its median over them")
     parser.add_argument("--check", action="store_true", help="check bf16 results against float32 instead of timing")
     parser.add_argument("--links", action="store_true", help="measure link bandwidth instead of attention")
     parser.add_argument("--documents", action="store_true",
                         help="packed documents with a sliding window (cp/bench_documents.py), timed or with --check")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if "RANK" not in os.environ:
         parser.error("run under torchrun: the world size and ranks come from its environment")
     if not torch.cuda.is_available():
@@ -267,7 +308,7 @@ def main(argv=None) -> int:
         if args.links:
             link_bandwidth()
             return 0
-        benchmark(args.seq or [65536, 131072], groups)
+        benchmark(args.seq or [65536, 131072], groups, args.rounds)
         return 0
     finally:
         dist.destroy_process_group()
