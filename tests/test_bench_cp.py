@@ -129,3 +129,33 @@ def _benchmark_on_cpu(rank, world):
 
 def test_benchmark_times_every_row_in_rounds():
     run_distributed(_benchmark_on_cpu, 2)
+
+
+def _documents_benchmark_on_cpu(rank, world):
+    """The packed documents' timed benchmark at a tiny batch, with a counting stand-in timer."""
+    bench_documents.DEVICE, bench_documents.HEADS = "cpu", (4, 2, 16, 8)
+    torch.cuda.get_device_name = lambda: "cpu"
+    timed = []
+
+    def count(call, warmup):
+        call()
+        timed.append(call)
+        return 1.0
+
+    interleaved = bench.interleaved_ms
+    bench.interleaved_ms = lambda rows, rounds: interleaved(rows, rounds, time=count)
+    printed = io.StringIO()
+    with redirect_stdout(printed):
+        bench_documents.benchmark(bench._groups(world), rounds=2, total=1024, window=(128, 0))
+    # the window: local, 3 strategies x 3 variants, auto x 2 layouts; no window: local, 3, auto;
+    # each row a forward and a forward+backward, in each of 2 rounds
+    assert len(timed) == 2 * 2 * (12 + 5), len(timed)
+    if rank == 0:
+        rows = [line.split()[0] for line in printed.getvalue().splitlines()[2:]]
+        assert rows == ["local", "ring", "ring", "ring", "allgather", "allgather", "allgather", "ulysses", "ulysses",
+                        "ulysses", "auto", "auto", "local", "ring", "allgather", "ulysses", "auto"], printed.getvalue()
+        assert "the median of 2 interleaved rounds" in printed.getvalue()
+
+
+def test_documents_benchmark_times_every_row_in_rounds():
+    run_distributed(_documents_benchmark_on_cpu, 2)

@@ -279,7 +279,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, nargs="+", default=None,
                         help="global tokens (default 65536 131072; --check: 8192)")
     parser.add_argument("--rounds", type=int, default=3,
-                        help="interleaved timing rounds per shape; each row reports its median over them")
+                        help="interleaved timing rounds per shape (per window with --documents); each row reports "
+                             "its median over them")
     parser.add_argument("--check", action="store_true", help="check bf16 results against float32 instead of timing")
     parser.add_argument("--links", action="store_true", help="measure link bandwidth instead of attention")
     parser.add_argument("--documents", action="store_true",
@@ -303,7 +304,7 @@ def main(argv=None) -> int:
             dense = 0 if args.documents else sum(check(seq, groups) for seq in (args.seq or [8192]))
             return int(dense + bench_documents.check(groups) > 0)
         if args.documents:
-            bench_documents.benchmark(groups)
+            bench_documents.benchmark(groups, args.rounds)
             return 0
         if args.links:
             link_bandwidth()

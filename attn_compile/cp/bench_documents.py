@@ -11,7 +11,8 @@ every strategy (the hybrid as in ``check``) and of ``strategy="auto"`` (named by
 with a window of 4096 (flash-attn's left window), beside the same without a window, the same
 with every document padded to a multiple of 2·cp (what TransformerEngine requires), the same on
 the contiguous layout (the batch cut into N pieces as it lies), and the single-GPU op on the
-whole batch. FLOPs count only the visible (query, key) pairs.
+whole batch; each window's rows timed in interleaved rounds, as bench.py times a shape's. FLOPs
+count only the visible (query, key) pairs.
 """
 import itertools
 import random
@@ -23,7 +24,8 @@ from attn_compile.kernels import reference
 from attn_compile.varlen import varlen_attention
 
 from .api import choose_strategy
-from .bench import CHECK_TOLERANCE, DEVICE, _collective_median_ms, _fwd_and_bwd, _rel_err, _runnable, say
+from . import bench
+from .bench import CHECK_TOLERANCE, DEVICE, _fwd_and_bwd, _rel_err, _runnable, say
 from .comm import process_groups
 from .documents import shard_varlen, unshard_varlen
 from .layout import LAYOUTS
@@ -99,22 +101,22 @@ def _tflops_per_gpu(lengths, window, ms_pair, gpus):
     return [f / gpus / 1e9 / ms for f, ms in zip(flops, ms_pair)]
 
 
-def _local_ms(lengths, window):
+def _local_calls(lengths, window):
+    """The forward and the forward+backward of the single-GPU op on the whole batch."""
     cu, longest = _cu(lengths), max(lengths)
     q, k, v = _inputs(sum(lengths), HEADS, torch.bfloat16, requires_grad=True)
-    fwd, fwd_bwd = _fwd_and_bwd(lambda q, k, v: varlen_attention(q, k, v, cu, cu, longest, longest, is_causal=True,
-                                                                window=window), q, k, v)
-    return _collective_median_ms(fwd), _collective_median_ms(fwd_bwd)
+    return list(_fwd_and_bwd(lambda q, k, v: varlen_attention(q, k, v, cu, cu, longest, longest, is_causal=True,
+                                                              window=window), q, k, v))
 
 
-def _cp_ms(lengths, window, strategy, group, layout):
+def _cp_calls(lengths, window, strategy, group, layout):
+    """The forward and the forward+backward of ``strategy`` on this rank's share of the batch."""
     cu, longest = _cu(lengths), max(lengths)
     local = [shard_varlen(x, cu, group, layout)[0].detach().requires_grad_()
              for x in _inputs(sum(lengths), HEADS, torch.bfloat16)]
-    fwd, fwd_bwd = _fwd_and_bwd(lambda q, k, v: varlen_attention(
+    return list(_fwd_and_bwd(lambda q, k, v: varlen_attention(
         q, k, v, cu, cu, longest, longest, is_causal=True, window=window, group=group, strategy=strategy,
-        layout=layout), *local)
-    return _collective_median_ms(fwd), _collective_median_ms(fwd_bwd)
+        layout=layout), *local))
 
 
 def _auto_name(lengths, window, layout) -> str:
@@ -127,28 +129,33 @@ def _auto_name(lengths, window, layout) -> str:
                                         cu_seqlens=_cu(lengths), max_seqlen=max(lengths))
 
 
-def benchmark(groups, total: int = 131072, window=(4096, 0)) -> None:
-    """Every strategy of ``groups`` (``bench._groups``)."""
+def benchmark(groups, rounds: int, total: int = 131072, window=(4096, 0)) -> None:
+    """Every strategy of ``groups`` (``bench._groups``), each window's rows timed in ``rounds``
+    interleaved rounds (``bench.interleaved_ms``)."""
     world = dist.get_world_size()
     lengths = mixed_lengths(total, seed=0)
     padded = [-(-n // (2 * world)) * 2 * world for n in lengths]
     say(f"packed documents under CP, {world}x {torch.cuda.get_device_name()}, bf16, causal GQA 32/8 d128, "
         f"{len(lengths)} documents of {min(lengths)}..{max(lengths)} tokens, {total} in all "
         f"({sum(padded) - total} more when padded to multiples of 2·cp). TFLOP/s per GPU of visible pairs, "
-        "fwd / fwd+bwd, and ratio to the single-GPU op on the whole batch",
+        f"the median of {rounds} interleaved rounds, fwd / fwd+bwd, and ratio to the single-GPU op on the whole "
+        "batch",
         f"  {'strategy':23s} {'window':>10s} {'fwd':>7s} {'fwd+bwd':>8s}   {'vs local':>12s}   {'ms fwd+bwd':>10s}")
     for case_window in (window, (-1, -1)):
-        local = _tflops_per_gpu(lengths, case_window, _local_ms(lengths, case_window), 1)
-        say(f"  {'local':23s} {str(case_window):>10s} {local[0]:7.0f} {local[1]:8.0f}")
+        rows = {"local": _local_calls(lengths, case_window)}
         strategies = [*_runnable(groups, HEADS[0], world), ("auto", dist.group.WORLD)]
         variants = ("", "padded", "contiguous") if case_window == window else ("",)
         for (strategy, group), variant in itertools.product(strategies, variants):
             if variant == "padded" and strategy == "auto":
                 continue
             layout = "contiguous" if variant == "contiguous" else "zigzag"
-            ms = _cp_ms(padded if variant == "padded" else lengths, case_window, strategy, group, layout)
-            tflops = _tflops_per_gpu(lengths, case_window, ms, world)  # padding is overhead, not work
             name = strategy if strategy != "auto" else _auto_name(lengths, case_window, layout)
-            name = f"{name} {variant}".strip()
+            rows[f"{name} {variant}".strip()] = _cp_calls(padded if variant == "padded" else lengths, case_window,
+                                                          strategy, group, layout)
+        ms = bench.interleaved_ms(rows, rounds)
+        local = _tflops_per_gpu(lengths, case_window, ms.pop("local"), 1)
+        say(f"  {'local':23s} {str(case_window):>10s} {local[0]:7.0f} {local[1]:8.0f}")
+        for name, times in ms.items():
+            tflops = _tflops_per_gpu(lengths, case_window, times, world)  # padding is overhead, not work
             say(f"  {name:23s} {str(case_window):>10s} {tflops[0]:7.0f} {tflops[1]:8.0f}   "
-                f"{tflops[0] / local[0]:5.2f} / {tflops[1] / local[1]:4.2f}   {ms[1]:10.2f}")
+                f"{tflops[0] / local[0]:5.2f} / {tflops[1] / local[1]:4.2f}   {times[1]:10.2f}")
