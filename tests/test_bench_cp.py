@@ -103,9 +103,9 @@ def test_rounds_must_be_positive(capsys):
     assert "--rounds must be at least 1, got 0" in capsys.readouterr().err
 
 
-def _benchmark_on_cpu(rank, world):
-    """The whole timed benchmark at a tiny shape, with a counting timer in place of CUDA events."""
-    bench.DEVICE, bench.CONFIGS = "cpu", {"gqa 4/2 d16/8": (4, 2, 16, 8)}
+def _timed_on_cpu(benchmark):
+    """(what ``benchmark()`` printed, the calls it timed), with a counting stand-in for the CUDA
+    event timer and the device name."""
     torch.cuda.get_device_name = lambda: "cpu"
     timed = []
 
@@ -118,13 +118,20 @@ def _benchmark_on_cpu(rank, world):
     bench.interleaved_ms = lambda rows, rounds: interleaved(rows, rounds, time=count)
     printed = io.StringIO()
     with redirect_stdout(printed):
-        bench.benchmark([256], bench._groups(world), rounds=2)
+        benchmark()
+    return printed.getvalue(), timed
+
+
+def _benchmark_on_cpu(rank, world):
+    """The whole timed benchmark at a tiny shape."""
+    bench.DEVICE, bench.CONFIGS = "cpu", {"gqa 4/2 d16/8": (4, 2, 16, 8)}
+    printed, timed = _timed_on_cpu(lambda: bench.benchmark([256], bench._groups(world), rounds=2))
     # local 2 calls, ring, all-gather and Ulysses 2 each, auto 2, auto without grad 1; each round
     assert len(timed) == 2 * 11, len(timed)
     if rank == 0:
-        rows = [line.split()[0] for line in printed.getvalue().splitlines()[2:] if "torch CP" not in line]
-        assert rows == ["local,", "ring", "allgather", "ulysses", "auto", "auto"], printed.getvalue()
-        assert "the median of 2 interleaved rounds" in printed.getvalue()
+        rows = [line.split()[0] for line in printed.splitlines()[2:] if "torch CP" not in line]
+        assert rows == ["local,", "ring", "allgather", "ulysses", "auto", "auto"], printed
+        assert "the median of 2 interleaved rounds" in printed
 
 
 def test_benchmark_times_every_row_in_rounds():
@@ -132,29 +139,18 @@ def test_benchmark_times_every_row_in_rounds():
 
 
 def _documents_benchmark_on_cpu(rank, world):
-    """The packed documents' timed benchmark at a tiny batch, with a counting stand-in timer."""
+    """The packed documents' timed benchmark at a tiny batch."""
     bench_documents.DEVICE, bench_documents.HEADS = "cpu", (4, 2, 16, 8)
-    torch.cuda.get_device_name = lambda: "cpu"
-    timed = []
-
-    def count(call, warmup):
-        call()
-        timed.append(call)
-        return 1.0
-
-    interleaved = bench.interleaved_ms
-    bench.interleaved_ms = lambda rows, rounds: interleaved(rows, rounds, time=count)
-    printed = io.StringIO()
-    with redirect_stdout(printed):
-        bench_documents.benchmark(bench._groups(world), rounds=2, total=1024, window=(128, 0))
+    printed, timed = _timed_on_cpu(
+        lambda: bench_documents.benchmark(bench._groups(world), rounds=2, total=1024, window=(128, 0)))
     # the window: local, 3 strategies x 3 variants, auto x 2 layouts; no window: local, 3, auto;
     # each row a forward and a forward+backward, in each of 2 rounds
     assert len(timed) == 2 * 2 * (12 + 5), len(timed)
     if rank == 0:
-        rows = [line.split()[0] for line in printed.getvalue().splitlines()[2:]]
+        rows = [line.split()[0] for line in printed.splitlines()[2:]]
         assert rows == ["local", "ring", "ring", "ring", "allgather", "allgather", "allgather", "ulysses", "ulysses",
-                        "ulysses", "auto", "auto", "local", "ring", "allgather", "ulysses", "auto"], printed.getvalue()
-        assert "the median of 2 interleaved rounds" in printed.getvalue()
+                        "ulysses", "auto", "auto", "local", "ring", "allgather", "ulysses", "auto"], printed
+        assert "the median of 2 interleaved rounds" in printed
 
 
 def test_documents_benchmark_times_every_row_in_rounds():
