@@ -1,4 +1,4 @@
-"""The head configurations every numerical test runs: (h_q, h_kv, d_qk, d_v)."""
+"""The head configurations every numerical test runs: (h_q, h_kv, d_qk, d_v), and document ids."""
 import torch
 
 HEADS = {
@@ -17,3 +17,8 @@ def make_qkv(name, batch=2, s_q=40, s_k=None, dtype=torch.float32, device="cpu",
     k = torch.randn(batch, h_kv, s_k, d_qk, dtype=dtype, device=device)
     v = torch.randn(batch, h_kv, s_k, d_v, dtype=dtype, device=device)
     return [t.requires_grad_(requires_grad) for t in (q, k, v)]
+
+
+def document_runs(*lengths):
+    """One batch row of document ids: a document of each length, in order (0, 1, ...)."""
+    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))

@@ -15,12 +15,8 @@ from attn_compile.kernels.documents import same_document_mask
 from attn_compile.kernels.triton_mask_blocks import mask_blocks
 from attn_compile.kernels.visibility import visible
 from oracle import naive_attention, rel_err
+from shapes import document_runs
 from test_fa4_adapter import _on, _problem
-
-
-def _runs(lengths, s):
-    """(s,) ids: documents of ``lengths`` in order, the last one cut at s."""
-    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[:s]
 
 
 def _visible(ids, band, keys_only=False):
@@ -82,7 +78,7 @@ def test_block_tables(name, keys_only):
     if keys_only:
         ids = torch.stack([(torch.arange(s) < s // 3) | (torch.arange(s) >= s // 2), torch.rand(s) < 0.7])
     else:
-        ids = torch.stack([_runs(torch.randint(1, 130, (40,)).tolist(), s), torch.randint(0, 3, (s,))])
+        ids = torch.stack([document_runs(*torch.randint(1, 130, (40,)).tolist())[:s], torch.randint(0, 3, (s,))])
     tables = mask_blocks(ids.int() if keys_only else ids, query_block, key_block, band, rows_are_queries,
                              keys_only=keys_only)
     seen, full = _blocks_of(_visible(ids, band, keys_only), query_block, key_block, rows_are_queries)
@@ -205,7 +201,7 @@ def standin(monkeypatch):
 
 
 IDS = {  # name: (B, S) ids of one S, and whether they are a key padding mask
-    "runs": lambda s: (torch.stack([_runs([9, 30, 1, 40], s), _runs([s], s)]), False),
+    "runs": lambda s: (torch.stack([document_runs(9, 30, 1, 40)[:s], document_runs(s)]), False),
     "ids that come back": lambda s: (torch.stack([torch.arange(s) // 7 % 3, torch.arange(s) // 20 % 2]), False),
     "bool ids": lambda s: (torch.stack([torch.arange(s) < 33, torch.arange(s) % 40 < 25]), False),
     "key padding, right and left": lambda s: (torch.stack([torch.arange(s) < 41, torch.arange(s) >= 29]), True),

@@ -11,6 +11,7 @@ from attn_compile.kernels.documents import same_document_mask
 from attn_compile.kernels.problem import Problem, capability
 from attn_compile.kernels.result_layout import empty_out
 from oracle import naive_attention, rel_err
+from shapes import document_runs
 from test_fa4_adapter import key_padding
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
@@ -146,7 +147,7 @@ def test_key_padding_on_mask_mod_against_float64(name):
 
 def _document_ids(rows):
     """(B, S) int64 ids: each row's documents of the given lengths, in order."""
-    return torch.tensor([sum(([d] * n for d, n in enumerate(row)), []) for row in rows])
+    return torch.stack([document_runs(*row) for row in rows])
 
 
 DOCUMENTS = {  # name: (h_q, h_kv, s, d_qk, d_v, ids, masking)

@@ -30,7 +30,7 @@ from attn_compile.kernels.triton_forward import _forward_kernel  # noqa: E402
 from attn_compile.kernels.triton_tiles import (_PICKS, document_args, dot_precision, key_padding_args,  # noqa: E402
                                                seq_bucket, short_walk)
 from oracle import naive_attention, rel_err  # noqa: E402
-from shapes import make_qkv  # noqa: E402
+from shapes import document_runs, make_qkv  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
@@ -234,14 +234,9 @@ def _check_documents(heads, document_ids, dtype=torch.float32, **masking):
     _assert_close(got, _oracle(q, k, v, dout, attn_mask=same_document_mask(document_ids), **masking), TOL[dtype])
 
 
-def _runs(*lengths):
-    """One batch row of ids: a document of each length, in order."""
-    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-
-
 DOCUMENT_IDS = {  # (B, 48): boundaries inside 16-row tiles and on them, one document over a whole row
-    "runs": torch.stack([_runs(5, 11, 16, 3, 13), _runs(48)]),
-    "ids that come back": torch.stack([torch.arange(48) // 5 % 3, _runs(20, 28).flip(0)]),
+    "runs": torch.stack([document_runs(5, 11, 16, 3, 13), document_runs(48)]),
+    "ids that come back": torch.stack([torch.arange(48) // 5 % 3, document_runs(20, 28).flip(0)]),
     "one token each": torch.stack([torch.arange(48), torch.arange(48) // 2]),
 }
 DOCUMENT_MASKS = {
@@ -266,7 +261,7 @@ def test_document_ids_with_key_padding():
     on the right over whole documents; the ids come as a strided view."""
     torch.manual_seed(14)
     ids = DOCUMENT_IDS["runs"].t().contiguous().t()  # a last stride of 2: copied for the kernels
-    ids[1] = _runs(10, 25, 13)
+    ids[1] = document_runs(10, 25, 13)
     _check_documents("gqa", ids, is_causal=True, key_padding_mask=_key_padding(2, 48, left=3, right=20).cpu())
 
 
@@ -274,7 +269,7 @@ def test_document_spans():
     """Rows whose ids never fall: each token's span is its run, and the row is flagged as runs
     (runs of one id, over several 1024-token blocks of the spans kernel). Any other row: the whole
     row, unflagged."""
-    ids = torch.stack([_runs(3, 1, 2000, 500, 96), torch.arange(2600) // 700 % 2, torch.full((2600,), -4)])
+    ids = torch.stack([document_runs(3, 1, 2000, 500, 96), torch.arange(2600) // 700 % 2, torch.full((2600,), -4)])
     got_ids, stride, spans, runs = document_args(ids.to(DEVICE))
     assert torch.equal(got_ids.cpu(), ids) and stride == 2600 and runs.tolist() == [1, 0, 1]
     cuts = [0, 3, 4, 2004, 2504, 2600]
@@ -291,7 +286,7 @@ def test_tiles_of_other_documents_are_never_loaded():
     """Documents on whole 16-row tiles: the middle one's results stay exact with NaN keys and
     values in every tile of the other two, so none of those tiles was read for it."""
     torch.manual_seed(15)
-    ids = _runs(16, 32, 16)[None].to(DEVICE)
+    ids = document_runs(16, 32, 16)[None].to(DEVICE)
     q, k, v = make_qkv("gqa", batch=1, s_q=64, device=DEVICE, requires_grad=False)
     dout = torch.randn(*q.shape[:-1], v.shape[-1], device=DEVICE)
     masking = dict(scale=0.3, is_causal=True)
