@@ -20,9 +20,11 @@ def test_auto_row_names_the_choice_and_its_ratios():
     assert name == "auto -> ring"
     row = bench._row(name, [400.0, 380.0], local=[500.0, 400.0], peer=[380.0, 361.0])
     assert row[:30] == f"  {name:28s}", "the name in the strategies' column"
-    assert row[30:].split() == ["400", "380", "0.80", "/", "0.95", "1.05", "/", "1.05"], row
+    assert row[30:].split() == ["400", "380", "0.800", "/", "0.950", "1.053", "/", "1.053"], row
     forward = bench._row(f"{name}, no grad", [400.0, None], local=[500.0, 400.0], peer=[380.0, 361.0])
-    assert len(forward) == len(row) and forward[30:].split() == ["400", "0.80", "/", "1.05", "/"], forward
+    assert len(forward) == len(row) and forward[30:].split() == ["400", "0.800", "/", "1.053", "/"], forward
+    short = bench._row("ring", [473.0, 568.0], local=[500.0, 600.0])
+    assert short.split()[-3:] == ["0.946", "/", "0.947"], "a ratio just short of 0.95 does not print as 0.95"
 
 
 def test_needs_torchrun_and_sets_no_nccl_environment(monkeypatch, capsys):

@@ -140,7 +140,7 @@ def benchmark(groups, rounds: int, total: int = 131072, window=(4096, 0)) -> Non
         f"({sum(padded) - total} more when padded to multiples of 2·cp). TFLOP/s per GPU of visible pairs, "
         f"the median of {rounds} interleaved rounds, fwd / fwd+bwd, and ratio to the single-GPU op on the whole "
         "batch",
-        f"  {'strategy':23s} {'window':>10s} {'fwd':>7s} {'fwd+bwd':>8s}   {'vs local':>12s}   {'ms fwd+bwd':>10s}")
+        f"  {'strategy':23s} {'window':>10s} {'fwd':>7s} {'fwd+bwd':>8s}   {'vs local':>13s}   {'ms fwd+bwd':>10s}")
     for case_window in (window, (-1, -1)):
         rows = {"local": _local_calls(lengths, case_window)}
         strategies = [*_runnable(groups, HEADS[0], world), ("auto", dist.group.WORLD)]
@@ -158,4 +158,4 @@ def benchmark(groups, rounds: int, total: int = 131072, window=(4096, 0)) -> Non
         for name, times in ms.items():
             tflops = _tflops_per_gpu(lengths, case_window, times, world)  # padding is overhead, not work
             say(f"  {name:23s} {str(case_window):>10s} {tflops[0]:7.0f} {tflops[1]:8.0f}   "
-                f"{tflops[0] / local[0]:5.2f} / {tflops[1] / local[1]:4.2f}   {times[1]:10.2f}")
+                f"{tflops[0] / local[0]:5.3f} / {tflops[1] / local[1]:5.3f}   {times[1]:10.2f}")
