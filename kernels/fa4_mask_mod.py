@@ -29,6 +29,11 @@ from .problem import Problem
 from .result_layout import empty_out
 from .visibility import effective_window
 
+try:  # the block tables' kernel; as in dispatch.py, triton is a Linux-only dependency
+    from .triton_mask_blocks import mask_blocks
+except ImportError:
+    mask_blocks = None
+
 QUERY_BLOCK = 128
 
 
@@ -68,24 +73,14 @@ def key_block(d_qk, backward):
     return 96 if backward and d_qk > 128 else 128
 
 
-@functools.cache
-def _block_tables():
-    """The Triton kernel that makes the block tables, or None where Triton is not installed."""
-    try:
-        from .triton_mask_blocks import mask_blocks
-    except ImportError:
-        return None
-    return mask_blocks
-
-
 def supports(p: Problem) -> bool:
     """Document ids or a key padding mask (not both), on queries and keys at the same positions."""
     if not (p.has_documents != p.has_key_padding and p.sm[0] == 9 and not p.softcapped and not p.offset
             and p.s_q == p.s_k
             and (p.d_qk == p.d_v <= 128 or ((p.d_qk, p.d_v) == (192, 128) and p.h_q == p.h_kv))):
         return False
-    return _block_tables() is not None and fa4.supports(dataclasses.replace(p, has_documents=False,
-                                                                            has_key_padding=False))
+    return mask_blocks is not None and fa4.supports(dataclasses.replace(p, has_documents=False,
+                                                                        has_key_padding=False))
 
 
 def _mask_args(ids, keys_only, d_qk, is_causal, window, backward):
@@ -94,7 +89,7 @@ def _mask_args(ids, keys_only, d_qk, is_causal, window, backward):
     ids = (ids.int() if ids.dtype == torch.bool else ids).contiguous()
     band = effective_window(is_causal, tuple(window))
     keys = key_block(d_qk, backward)
-    tables = _block_tables()(ids, QUERY_BLOCK, keys, band, rows_are_queries=not backward, keys_only=keys_only)
+    tables = mask_blocks(ids, QUERY_BLOCK, keys, band, rows_are_queries=not backward, keys_only=keys_only)
     return dict(mask_mod=_mask_mod(*band, keys_only), aux_tensors=[ids],
                 block_sparse_tensors=fa4.interface().BlockSparseTensorsTorch(*tables, block_size=(QUERY_BLOCK, keys)))
 

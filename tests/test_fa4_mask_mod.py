@@ -128,7 +128,7 @@ def test_supports(standin, name):
 
 def test_refused_without_triton(standin, monkeypatch):
     """The block tables are a Triton kernel: without Triton the path takes nothing."""
-    monkeypatch.setattr(fa4_mask_mod, "_block_tables", lambda: None)
+    monkeypatch.setattr(fa4_mask_mod, "mask_blocks", None)
     assert not fa4_mask_mod.supports(_on(_problem(is_causal=True, document_ids=torch.empty(0))))
 
 
