@@ -55,7 +55,7 @@ def _mask_mod(left, right, keys_only):
         k = cutlass.min(n_idx[0], seqlen_info.seqlen_k - 1)
         key = utils.scalar_to_ssa(ids[batch[0], k], ids.element_type)
         if cutlass.const_expr(keys_only):
-            visible = key == utils.scalar_to_ssa(1, ids.element_type)
+            visible = key == utils.scalar_to_ssa(ids.element_type(1), ids.element_type)  # typed: uint8 ids
         else:
             q = cutlass.min(m_idx[0], seqlen_info.seqlen_q - 1)
             visible = utils.scalar_to_ssa(ids[batch[0], q], ids.element_type) == key
@@ -86,7 +86,7 @@ def supports(p: Problem) -> bool:
 def _mask_args(ids, keys_only, d_qk, is_causal, window, backward):
     """FA4's mask_mod, aux_tensors and block tables for document ids, or a key padding mask
     (``keys_only``)."""
-    ids = (ids.int() if ids.dtype == torch.bool else ids).contiguous()
+    ids = (ids.view(torch.uint8) if ids.dtype == torch.bool else ids).contiguous()  # FA4 takes no bool tensor
     band = effective_window(is_causal, tuple(window))
     keys = key_block(d_qk, backward)
     tables = mask_blocks(ids, QUERY_BLOCK, keys, band, rows_are_queries=not backward, keys_only=keys_only)

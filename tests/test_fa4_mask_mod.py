@@ -171,7 +171,7 @@ class StandIn:
 
     def _flash_attn_fwd(self, q, k, v, softmax_scale, out, lse, return_lse, mask_mod, aux_tensors,
                         block_sparse_tensors):
-        self.calls.append(("fwd", mask_mod, block_sparse_tensors.block_size))
+        self.calls.append(("fwd", mask_mod, block_sparse_tensors.block_size, aux_tensors[0]))
         visible = self._attended(aux_tensors[0], mask_mod, block_sparse_tensors, backward=False)
         assert aux_tensors[0].dtype != torch.bool and aux_tensors[0].is_contiguous()
         o, l = reference.attention_forward(*(x.transpose(1, 2).double() for x in (q, k, v)), scale=softmax_scale,
@@ -182,7 +182,7 @@ class StandIn:
     def _flash_attn_bwd(self, q, k, v, out, dout, lse, softmax_scale, causal, softcap, dq, dk, dv, mask_mod,
                         aux_tensors, block_sparse_tensors):
         assert causal is False and softcap == 0.0  # the mask carries causality
-        self.calls.append(("bwd", mask_mod, block_sparse_tensors.block_size))
+        self.calls.append(("bwd", mask_mod, block_sparse_tensors.block_size, aux_tensors[0]))
         visible = self._attended(aux_tensors[0], mask_mod, block_sparse_tensors, backward=True)
         grads = reference.attention_backward(*(x.transpose(1, 2).double() for x in (dout, q, k, v, out)), lse.double(),
                                              scale=softmax_scale, attn_mask=visible)
@@ -235,6 +235,8 @@ def test_path_against_oracle(standin, ids, masking):
     assert [call[0] for call in standin.calls] == ["fwd", "bwd"]
     assert all(call[1] == (*band, keys_only) for call in standin.calls)
     assert [call[2] for call in standin.calls] == [(16, 8), (16, 24)]
+    if ids.dtype == torch.bool:  # handed to FA4 as its bytes, not converted per call
+        assert all(call[3].dtype == torch.uint8 and call[3].data_ptr() == ids.data_ptr() for call in standin.calls)
     assert out.stride() == torch.empty(2, s, 4, 16).transpose(1, 2).stride()  # q's memory order
     qd, kd, vd = (x.double().requires_grad_() for x in (q, k, v))
     oracle_masking = dict(masking)
