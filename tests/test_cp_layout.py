@@ -7,10 +7,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from attn_compile.cp.layout import (SequenceSharding, chunks_per_rank, join_shards, shard_sequence, split_sequence,
-                                    unshard_sequence)
+                                    take_shard, unshard_sequence)
 from attn_compile.cp.ring import halo, ring_steps
 from attn_compile.cp.merge import MergedResult
 from attn_compile.cp.tiles import plan_tiles
+from attn_compile.cp.words import as_words, contiguous
 from attn_compile.kernels import attention_forward
 from attn_compile.kernels.dispatch import merge_into
 from attn_compile.kernels.visibility import effective_window, visible
@@ -173,6 +174,43 @@ def test_split_and_join_are_inverse(layout):
     assert torch.equal(first[0], x[:, :, :4] if layout == "zigzag" else x[:, :, :8])
     if layout == "zigzag":
         assert torch.equal(first[1], x[:, :, 20:])
+
+
+@pytest.mark.parametrize("dtype, last", [(torch.bfloat16, 8), (torch.bfloat16, 6), (torch.float32, 6),
+                                         (torch.float32, 3), (torch.uint8, 16)])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_split_take_and_join_copy_words_where_the_rows_allow(layout, dtype, last):
+    """The copies move 8-byte words where a row's bytes are a multiple of 8, with the result of
+    the element-wise copies (float64, never viewed, is the oracle)."""
+    x = (torch.randn(2, 3, 24, last) * 50).to(dtype)
+    assert (as_words([x], 2)[0].dtype == torch.int64) == (last * x.element_size() % 8 == 0)
+    oracle = x.double()
+    shards = split_sequence(x, 3, layout, 2)
+    assert shards.dtype == dtype and torch.equal(shards.double(), split_sequence(oracle, 3, layout, 2))
+    for rank in range(3):
+        assert torch.equal(take_shard(x, rank, 3, layout, 2), shards[rank])
+    assert torch.equal(join_shards(shards.unbind(0), layout, 2), x)
+
+
+def test_words_only_where_every_tensor_fits():
+    x = torch.randn(2, 8, 4).bfloat16()
+    assert as_words([x], 2)[0] is x  # the joined dim is the last
+    assert all(t.dtype == torch.bfloat16 for t in as_words([x, x[..., :3]], 1))  # one row of 6 bytes
+    assert as_words([x[:, 1:]], 1)[0].dtype == torch.int64  # an offset of whole rows
+    grad = x.float().requires_grad_()
+    assert as_words([grad], 1)[0] is grad  # autograd records the copy
+    shard = take_shard(grad, 1, 2, "zigzag", 1)
+    shard.sum().backward()
+    assert grad.grad.sum() == shard.numel()
+
+
+def test_contiguous_copies_strided_rows_as_words():
+    x = torch.randn(2, 6, 3, 8).bfloat16().transpose(1, 2)  # a (B, H, S, D) view of (B, S, H, D)
+    copy = contiguous(x)
+    assert copy.is_contiguous() and copy.dtype == torch.bfloat16 and torch.equal(copy, x)
+    assert contiguous(copy) is copy
+    odd = torch.randn(4, 3).bfloat16().t()  # rows of 8 bytes are not whole here: copied as they are
+    assert torch.equal(contiguous(odd), odd) and contiguous(odd).is_contiguous()
 
 
 def _check_shard_roundtrip(rank, world):

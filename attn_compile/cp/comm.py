@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .failures import wait_collective
+from .words import contiguous
 
 # torch 2.13 renamed these; 2.11 has only the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -75,7 +76,7 @@ def cp_rank(groups) -> int:
 
 def all_gather_stacked(x: torch.Tensor, groups) -> torch.Tensor:
     """x from every rank, stacked in context-parallel rank order: (cp, *x.shape)."""
-    x = x.unsqueeze(0).contiguous()
+    x = contiguous(x.unsqueeze(0))
     for group in reversed(groups):  # inner first, so the outer rank ends up the slower index
         gathered = x.new_empty((group.size() * x.shape[0], *x.shape[1:]))
         wait_collective(_all_gather(gathered, x, group=group, async_op=True), group)
@@ -86,7 +87,7 @@ def all_gather_stacked(x: torch.Tensor, groups) -> torch.Tensor:
 def reduce_scatter_stacked(x: torch.Tensor, group) -> torch.Tensor:
     """Sum of x over the ranks, each rank keeping its row: x is (size, ...), the result (...)."""
     out = x.new_empty(x.shape[1:])
-    wait_collective(_reduce_scatter(out, x.flatten(0, 1).contiguous(), group=group, async_op=True), group)
+    wait_collective(_reduce_scatter(out, contiguous(x.flatten(0, 1)), group=group, async_op=True), group)
     return out
 
 
@@ -102,8 +103,9 @@ def all_to_all_posted(sends, group) -> list:
     stream): (output, work) pairs, for ``received``."""
     posted = []
     for x in sends:
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        posted.append((out, dist.all_to_all_single(out, x.contiguous(), group=group, async_op=True)))
+        send = contiguous(x)
+        out = torch.empty_like(send)
+        posted.append((out, dist.all_to_all_single(out, send, group=group, async_op=True)))
     return posted
 
 
@@ -155,7 +157,7 @@ def pass_round(tensors, group, tag: int, shift: int = 1, into=None):
     rank = group.rank()
     next_peer = dist.get_global_rank(group, (rank + shift) % size)
     prev_peer = dist.get_global_rank(group, (rank - shift) % size)
-    tensors = [t.contiguous() for t in tensors]
+    tensors = [contiguous(t) for t in tensors]
     received = tuple(into) if into is not None else tuple(torch.empty_like(t) for t in tensors)
     twin = transfer_group(group, received[0].device.type) if received else group
     # an empty tensor is not sent: its receiver, which knows the sizes too, posts no receive

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .comm import all_gather_stacked, cp_rank, cp_size, process_groups
+from .words import as_words, from_words
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -83,29 +84,33 @@ class SequenceSharding:
 
 
 def take_shard(x: torch.Tensor, rank: int, cp: int, layout: str, dim: int) -> torch.Tensor:
-    chunks = x.tensor_split(cp * chunks_per_rank(layout), dim)
-    return torch.cat([chunks[c] for c in chunk_ids(rank, cp, layout)], dim)
+    (words,) = as_words([x], dim)
+    chunks = words.tensor_split(cp * chunks_per_rank(layout), dim)
+    return from_words(torch.cat([chunks[c] for c in chunk_ids(rank, cp, layout)], dim), x.dtype)
 
 
 def split_sequence(x: torch.Tensor, cp: int, layout: str, dim: int) -> torch.Tensor:
     """Every rank's shard of the whole sequence x, stacked in rank order: (cp, *shard's shape),
     written in one pass (a stack of taken shards would copy twice)."""
+    (words,) = as_words([x], dim)
     length = x.shape[dim] // (cp * chunks_per_rank(layout))
-    shards = x.new_empty((cp, *x.shape[:dim], x.shape[dim] // cp, *x.shape[dim + 1:]))
+    shards = words.new_empty((cp, *words.shape[:dim], words.shape[dim] // cp, *words.shape[dim + 1:]))
     for rank in range(cp):
         for slot, chunk in enumerate(chunk_ids(rank, cp, layout)):
-            shards[rank].narrow(dim, slot * length, length).copy_(x.narrow(dim, chunk * length, length))
-    return shards
+            shards[rank].narrow(dim, slot * length, length).copy_(words.narrow(dim, chunk * length, length))
+    return from_words(shards, x.dtype)
 
 
 def join_shards(shards, layout: str, dim: int) -> torch.Tensor:
     """The whole sequence from every rank's shard, given in rank order: split_sequence undone."""
+    dtype = shards[0].dtype
+    shards = as_words(shards, dim)
     cp, per_rank = len(shards), chunks_per_rank(layout)
     chunks = [None] * (cp * per_rank)
     for rank, shard in enumerate(shards):
         for chunk, piece in zip(chunk_ids(rank, cp, layout), shard.tensor_split(per_rank, dim)):
             chunks[chunk] = piece
-    return torch.cat(chunks, dim)
+    return from_words(torch.cat(chunks, dim), dtype)
 
 
 def shard_sequence(x: torch.Tensor, group, seq_dim: int = 2, layout: str = "zigzag") -> torch.Tensor:

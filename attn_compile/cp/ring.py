@@ -24,6 +24,7 @@ from .layout import Chunk
 from .merge import MergedResult
 from .registration import register_strategy
 from .tiles import attend_tiles, attend_tiles_backward, plan_calls, plan_tiles
+from .words import contiguous
 
 KV_TAG, GRAD_TAG = 0, 1
 
@@ -143,7 +144,7 @@ def ring_backward(dout, q, k, v, out, lse, group, scale, is_causal, window, shar
     # dk, dv are the whole gradients of the keys of rank - (steps - 1): they go home in k's dtype
     (dk, dv), works = pass_round((dk.to(k.dtype), dv.to(v.dtype)), group, GRAD_TAG, shift=1 - steps)
     wait(works, group)
-    return dq.to(q.dtype), *(g[:, :, :k_len].contiguous() for g in (dk, dv))
+    return dq.to(q.dtype), *(contiguous(g[:, :, :k_len]) for g in (dk, dv))
 
 
 @torch.library.custom_op("attn_cp::ring_attention", mutates_args=())

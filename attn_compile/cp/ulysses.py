@@ -37,6 +37,7 @@ from .failures import failing_together
 from .documents import ChunkSharding, DocumentSharding
 from .layout import chunks_per_rank
 from .registration import fake_result, register_head_exchange
+from .words import contiguous
 
 
 def kv_head_repeats(h_kv: int, cp: int) -> int:
@@ -97,9 +98,9 @@ def _sequence_send(x, sharding):
 def _sequence_receive(received, group, sharding):
     if not isinstance(sharding, ChunkSharding):
         # (cp, B, H/cp, ...) -> (B, H, ...): a view, no copy, for B = 1
-        return received.movedim(0, 1).flatten(1, 2).contiguous()
+        return contiguous(received.movedim(0, 1).flatten(1, 2))
     mine = received.narrow(1, 0, sharding.local_len(group.rank()))
-    return mine.transpose(1, 2).flatten(0, 1).unsqueeze(0).contiguous()
+    return contiguous(mine.transpose(1, 2).flatten(0, 1).unsqueeze(0))
 
 
 def to_head_shards_of(q, k, v, group, sharding, rows: int = 0):
