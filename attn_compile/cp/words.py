@@ -2,7 +2,7 @@
 
 PyTorch copies a non-contiguous tensor one element per thread step, so the copies that cut,
 join or gather rows of bf16 shards move 2 bytes a step: the zigzag join of Ulysses' head shards
-ran at 1.1 TB/s on an H200, and at 3.3-3.5 TB/s with each row viewed as int64 words
+ran at 1.1 TB/s on an H200, and at 3.0-3.5 TB/s with each row viewed as int64 words
 (BENCHMARKS.md). A copy that keeps every row whole may move words instead.
 """
 import torch
