@@ -27,7 +27,7 @@ import torch
 from . import fa4
 from .problem import Problem
 from .result_layout import empty_out
-from .visibility import effective_window
+from .visibility import effective_window, mask_bytes
 
 try:  # the block tables' kernel; as in dispatch.py, triton is a Linux-only dependency
     from .triton_mask_blocks import mask_blocks
@@ -86,7 +86,7 @@ def supports(p: Problem) -> bool:
 def _mask_args(ids, keys_only, d_qk, is_causal, window, backward):
     """FA4's mask_mod, aux_tensors and block tables for document ids, or a key padding mask
     (``keys_only``)."""
-    ids = (ids.view(torch.uint8) if ids.dtype == torch.bool else ids).contiguous()  # FA4 takes no bool tensor
+    ids = mask_bytes(ids).contiguous()
     band = effective_window(is_causal, tuple(window))
     keys = key_block(d_qk, backward)
     tables = mask_blocks(ids, QUERY_BLOCK, keys, band, rows_are_queries=not backward, keys_only=keys_only)

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .visibility import mask_bytes
+
 BLOCK_ROWS = 32
 
 
@@ -72,7 +74,7 @@ def _find_runs_kernel(Mask, Table, batch, s, stride_mb, stride_ms, BLOCK: tl.con
 def find_runs(key_padding_mask) -> Runs:
     """The runs of a (B, S) key padding mask (True on real keys)."""
     batch, s = key_padding_mask.shape
-    mask = key_padding_mask.view(torch.uint8) if key_padding_mask.dtype == torch.bool else key_padding_mask
+    mask = mask_bytes(key_padding_mask)
     table = torch.empty(len(Runs._fields), batch + 1, dtype=torch.int32, device=mask.device)
     _find_runs_kernel[(batch + 1,)](mask, table, batch, s, *mask.stride(), BLOCK=min(triton.next_power_of_2(s), 1024))
     return Runs(*table[:3], *table[3:, :batch])

@@ -20,6 +20,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .visibility import mask_bytes
+
 UNBOUNDED = 1 << 29
 MAX_SPAN = 1 << 28  # lengths and |q_offset - k_offset| stay below this, so no int32 bound overflows
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -510,7 +512,7 @@ def document_args(document_ids):
     row is exact too, with the mask everywhere: its spans are the whole row."""
     if document_ids is None:
         return None, 0, None, None
-    ids = document_ids.view(torch.uint8) if document_ids.dtype == torch.bool else document_ids
+    ids = mask_bytes(document_ids)
     batch, n = ids.shape
     spans = torch.empty(batch, n, 2, dtype=torch.int32, device=ids.device)
     runs = torch.empty(batch, dtype=torch.int32, device=ids.device)

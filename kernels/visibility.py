@@ -17,6 +17,12 @@ class Visibility(enum.Enum):
     PARTIAL = "partial"
 
 
+def mask_bytes(mask: torch.Tensor) -> torch.Tensor:
+    """A bool mask or bool document ids as their uint8 bytes (a view; the kernels read no bool
+    tensor), any other ids as they are."""
+    return mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+
+
 def effective_window(is_causal: bool, window: tuple[int, int]) -> tuple[int, int]:
     left, right = window
     if is_causal:
