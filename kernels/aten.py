@@ -33,6 +33,14 @@ def _like(x: torch.Tensor, layout: torch.Tensor) -> torch.Tensor:
     return x if x.stride() == layout.stride() else torch.empty_like(layout).copy_(x)
 
 
+def _heads_inner(x: torch.Tensor) -> torch.Tensor:
+    """(B, H, S, D) x as a view of a contiguous (B, S, H, D) tensor, copied there if it lies
+    otherwise: the efficient backward reads out with that layout's row stride (H·D, its
+    ``o_strideM``) whatever out's strides say, and the op's out follows q's order of dims."""
+    bshd = x.transpose(1, 2)
+    return x if bshd.is_contiguous() else bshd.contiguous().transpose(1, 2)
+
+
 class Cudnn:
     name = "cudnn"
 
@@ -102,6 +110,7 @@ class Efficient:
     @staticmethod
     def backward(dout, q, k, v, out, lse, *, scale, is_causal=False, **_trivial_masking):
         empty = q.new_empty(0)
+        out = _heads_inner(out)
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
             _like(dout, out), q, k, v, None, out, lse.contiguous(), empty, empty, 0.0, [True, True, True, False],
             is_causal, scale=scale,
