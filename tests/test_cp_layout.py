@@ -11,7 +11,7 @@ from attn_compile.cp.layout import (SequenceSharding, chunks_per_rank, join_shar
 from attn_compile.cp.ring import halo, ring_steps
 from attn_compile.cp.merge import MergedResult
 from attn_compile.cp.tiles import plan_tiles
-from attn_compile.cp.words import as_words, contiguous
+from attn_compile.cp.words import as_words, contiguous, copy_into, index_rows
 from attn_compile.kernels import attention_forward
 from attn_compile.kernels.dispatch import merge_into
 from attn_compile.kernels.visibility import effective_window, visible
@@ -211,6 +211,28 @@ def test_contiguous_copies_strided_rows_as_words():
     assert contiguous(copy) is copy
     odd = torch.randn(4, 3).bfloat16().t()  # rows of 8 bytes are not whole here: copied as they are
     assert torch.equal(contiguous(odd), odd) and contiguous(odd).is_contiguous()
+
+
+@pytest.mark.parametrize("dtype, last", [(torch.bfloat16, 8), (torch.bfloat16, 6), (torch.float32, 2),
+                                         (torch.float32, 3)])
+def test_row_gathers_and_copies_move_words_where_the_rows_allow(dtype, last):
+    """index_rows and copy_into give the element-wise results (float64 oracle) on rows that fit
+    8-byte words and rows that do not, into a given out; a copy between dtypes casts."""
+    x = (torch.randn(10, 3, last) * 50).to(dtype)
+    index = torch.randperm(10)[:7]
+    oracle = x.double().index_select(0, index)
+    assert index_rows(x, index).dtype == dtype and torch.equal(index_rows(x, index).double(), oracle)
+    buffer = torch.full((9, 3, last), 7.0, dtype=dtype)
+    assert index_rows(x, index, buffer.narrow(0, 1, 7)) is not None
+    assert torch.equal(buffer[1:8].double(), oracle) and (buffer[[0, 8]] == 7).all()
+    into = torch.full((3, 12, last), 7.0, dtype=dtype)
+    copy_into(into[:, 2:12], x.transpose(0, 1))  # a strided source, as the Ulysses send of packed rows
+    assert torch.equal(into[:, 2:].double(), x.double().transpose(0, 1)) and (into[:, :2] == 7).all()
+    cast = torch.empty(10, 3, last, dtype=torch.float16 if dtype == torch.bfloat16 else torch.float64)
+    copy_into(cast, x)
+    assert torch.equal(cast.double(), x.double().to(cast.dtype).double())
+    with pytest.raises(RuntimeError, match="same scalar type"):  # as index_select: no bits of one dtype read as another
+        index_rows(x, index, torch.empty(7, 3, last, dtype=torch.float64))
 
 
 def _check_shard_roundtrip(rank, world):

@@ -87,11 +87,11 @@ def test_document_sharding(cp, layout):
                 real, padding = shard.split([len(tokens), sharding.shard_len - len(tokens)], dim)
                 assert torch.equal(real, x.index_select(dim, tokens)) and not padding.any()
             assert torch.equal(sharding.join(shards, dim), x)
-        rows = torch.randn(cu[-1], 2, 3)  # token-major, as the Ulysses exchange moves packed documents
-        shards = sharding.scatter_rows(rows)
-        for tokens, shard in zip(held, shards):
-            assert torch.equal(shard[:len(tokens)], rows[tokens])
-        assert torch.equal(sharding.gather_rows(shards), rows)
+        for rows in (torch.randn(cu[-1], 2, 3), torch.randn(cu[-1], 2, 4).bfloat16()):  # rows of 6 and of 8 bytes
+            shards = sharding.scatter_rows(rows)  # token-major, as the Ulysses exchange moves packed documents
+            for tokens, shard in zip(held, shards):
+                assert torch.equal(shard[:len(tokens)], rows[tokens])
+            assert shards.dtype == rows.dtype and torch.equal(sharding.gather_rows(shards), rows)
 
 
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])

@@ -26,6 +26,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import device_copies
 from .comm import all_gather_stacked, cp_rank, cp_size, process_groups
 from .layout import Chunk, check_layout, chunk_ids, chunks_per_rank
+from .words import index_rows
 
 
 def chunk_bounds(length: int, pieces: int) -> list[int]:
@@ -115,7 +116,7 @@ class ChunkSharding:
         where ``join`` of a head-major tensor gathers element by element; into ``out`` (total, ...)
         where given."""
         rows = self._to("_stacked_rows", shards.device)[0]
-        return torch.index_select(shards.flatten(0, 1), 0, rows, out=out)
+        return index_rows(shards.flatten(0, 1), rows, out)
 
     @functools.cached_property
     def _shard_sources(self) -> torch.Tensor:
@@ -130,7 +131,7 @@ class ChunkSharding:
         index_copy_ into the shards ran at a third of its speed on H200s). A padding row holds a
         copy of row 0: no chunk covers it, so nothing reads it."""
         rows = self._to("_shard_sources", x.device)[0]
-        return torch.index_select(x, 0, rows).unflatten(0, (self.cp, self.shard_len))
+        return index_rows(x, rows).unflatten(0, (self.cp, self.shard_len))
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from .failures import failing_together
 from .documents import ChunkSharding, DocumentSharding
 from .layout import chunks_per_rank
 from .registration import fake_result, register_head_exchange
-from .words import contiguous
+from .words import contiguous, copy_into
 
 
 def kv_head_repeats(h_kv: int, cp: int) -> int:
@@ -72,7 +72,7 @@ def _head_send(x, cp: int, sharding):
         return x.unflatten(1, (cp, -1)).movedim(1, 0)
     tokens = packed(x)  # (S_local, H, ...)
     shards = tokens.new_empty((cp, sharding.shard_len, tokens.shape[1] // cp, *tokens.shape[2:]))
-    shards[:, :tokens.shape[0]] = tokens.unflatten(1, (cp, -1)).movedim(1, 0)  # the padding rows are never read
+    copy_into(shards[:, :tokens.shape[0]], tokens.unflatten(1, (cp, -1)).movedim(1, 0))  # the padding rows are never read
     return shards
 
 
@@ -172,7 +172,7 @@ def kept_head_shards(heads, rows: int) -> list:
     kept = []
     for x in heads:
         buffer = _zero_tailed(x, (*x.shape[:2], rows, *x.shape[3:]), x.dtype, x.shape[2])
-        buffer[:, :, :x.shape[2]] = x
+        copy_into(buffer[:, :, :x.shape[2]], x)
         kept.append(buffer)
     return kept
 

@@ -32,3 +32,22 @@ def contiguous(x: torch.Tensor) -> torch.Tensor:
         return x
     (words,) = as_words([x])
     return from_words(words.contiguous(), x.dtype)
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``, copied as words where both have one dtype and their rows allow."""
+    if dst.dtype != src.dtype:
+        dst.copy_(src)
+        return
+    dst_words, src_words = as_words([dst, src])
+    dst_words.copy_(src_words)
+
+
+def index_rows(x: torch.Tensor, index: torch.Tensor, out=None) -> torch.Tensor:
+    """``torch.index_select(x, 0, index, out=out)``: whole rows gathered, as words where x's rows
+    (and out's) allow; index_select, too, copies one element per thread step."""
+    if out is not None and out.dtype != x.dtype:  # raised by index_select, never read as words
+        return torch.index_select(x, 0, index, out=out)
+    words = as_words([x] if out is None else [x, out], 0)
+    picked = torch.index_select(words[0], 0, index, out=None if out is None else words[1])
+    return out if out is not None else from_words(picked, x.dtype)
