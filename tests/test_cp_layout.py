@@ -196,6 +196,7 @@ def test_words_only_where_every_tensor_fits():
     x = torch.randn(2, 8, 4).bfloat16()
     assert as_words([x], 2)[0] is x  # the joined dim is the last
     assert all(t.dtype == torch.bfloat16 for t in as_words([x, x[..., :3]], 1))  # one row of 6 bytes
+    assert [t.dtype for t in as_words([x, x.half()], 1)] == [torch.bfloat16, torch.float16]  # two dtypes
     assert as_words([x[:, 1:]], 1)[0].dtype == torch.int64  # an offset of whole rows
     grad = x.float().requires_grad_()
     assert as_words([grad], 1)[0] is grad  # autograd records the copy
@@ -231,8 +232,9 @@ def test_row_gathers_and_copies_move_words_where_the_rows_allow(dtype, last):
     cast = torch.empty(10, 3, last, dtype=torch.float16 if dtype == torch.bfloat16 else torch.float64)
     copy_into(cast, x)
     assert torch.equal(cast.double(), x.double().to(cast.dtype).double())
-    with pytest.raises(RuntimeError, match="same scalar type"):  # as index_select: no bits of one dtype read as another
-        index_rows(x, index, torch.empty(7, 3, last, dtype=torch.float64))
+    for other in (torch.float64, cast.dtype):  # as index_select: no bits of one dtype read as another
+        with pytest.raises(RuntimeError, match="same scalar type"):
+            index_rows(x, index, torch.empty(7, 3, last, dtype=other))
 
 
 def _check_shard_roundtrip(rank, world):

@@ -11,14 +11,16 @@ import torch
 def as_words(tensors, dim=None) -> list:
     """``tensors`` with their last dim viewed as 8-byte words, for a copy of whole rows: one that
     cuts or joins them along ``dim`` (not the last), or copies them whole (None). All as they are
-    where one's strides or sizes do not allow it, or autograd records one."""
+    where their dtypes differ (no bits of one are read as another), one's strides or sizes do not
+    allow it, or autograd records one."""
     def fits(x):
         size = x.element_size()
         return (x.dim() > 0 and (dim is None or dim % x.dim() != x.dim() - 1) and size < 8 and x.stride(-1) == 1
                 and not (x.requires_grad and torch.is_grad_enabled())
                 and not any(n * size % 8 for n in (x.shape[-1], x.storage_offset(), *x.stride()[:-1])))
     tensors = list(tensors)
-    return [x.view(torch.int64) for x in tensors] if all(map(fits, tensors)) else tensors
+    same_dtype = len({x.dtype for x in tensors}) == 1
+    return [x.view(torch.int64) for x in tensors] if same_dtype and all(map(fits, tensors)) else tensors
 
 
 def from_words(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -35,10 +37,7 @@ def contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)``, copied as words where both have one dtype and their rows allow."""
-    if dst.dtype != src.dtype:
-        dst.copy_(src)
-        return
+    """``dst.copy_(src)``, copied as words where both tensors' rows allow."""
     dst_words, src_words = as_words([dst, src])
     dst_words.copy_(src_words)
 
@@ -46,8 +45,6 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
 def index_rows(x: torch.Tensor, index: torch.Tensor, out=None) -> torch.Tensor:
     """``torch.index_select(x, 0, index, out=out)``: whole rows gathered, as words where x's rows
     (and out's) allow; index_select, too, copies one element per thread step."""
-    if out is not None and out.dtype != x.dtype:  # raised by index_select, never read as words
-        return torch.index_select(x, 0, index, out=out)
     words = as_words([x] if out is None else [x, out], 0)
     picked = torch.index_select(words[0], 0, index, out=None if out is None else words[1])
     return out if out is not None else from_words(picked, x.dtype)
