@@ -26,12 +26,13 @@ HEADS = {  # name: (h_q, h_kv, d_qk, d_v), as bench cp runs them
 # (GPUs, heads, global tokens): {strategy: (forward, fwd+bwd)}; the forward ran with no backward
 # after it. The hybrid ran on a (2, 2) mesh. NVIDIA H200s (NVLink), torch 2.11.0+cu130,
 # flash-attn-4 4.0.0b36 inside the single-GPU op, 2026-11-28 (each shape's rows in 3 interleaved
-# rounds, the median): 4 GPUs at ca3a9ca; 2 GPUs at b771137, a 2-GPU host (shards copied as words).
+# rounds, the median): 4 GPUs at ca3a9ca; 2 GPUs on a 2-GPU host, with the two-step ring's backward
+# of cp/ring.py's halo_backward (its transfers beside the two halves of its own step).
 MEASURED = {
-    (2, "GQA 32/8 d128", 65536): dict(ring=(623, 583), allgather=(609, 581), ulysses=(613, 588)),
-    (2, "GQA 32/8 d128", 131072): dict(ring=(639, 607), allgather=(634, 605), ulysses=(631, 608)),
-    (2, "MLA 16h 192/128", 65536): dict(ring=(646, 485), allgather=(595, 475), ulysses=(613, 495)),
-    (2, "MLA 16h 192/128", 131072): dict(ring=(666, 505), allgather=(645, 500), ulysses=(656, 513)),
+    (2, "GQA 32/8 d128", 65536): dict(ring=(623, 579), allgather=(603, 580), ulysses=(607, 583)),
+    (2, "GQA 32/8 d128", 131072): dict(ring=(635, 602), allgather=(630, 600), ulysses=(631, 601)),
+    (2, "MLA 16h 192/128", 65536): dict(ring=(644, 492), allgather=(598, 480), ulysses=(613, 489)),
+    (2, "MLA 16h 192/128", 131072): dict(ring=(673, 511), allgather=(637, 502), ulysses=(653, 512)),
     (4, "GQA 32/8 d128", 65536): dict(ring=(591, 550), allgather=(582, 545), ulysses=(598, 574),
                                       hybrid=(583, 555)),
     (4, "GQA 32/8 d128", 131072): dict(ring=(611, 573), allgather=(605, 583), ulysses=(615, 597),
@@ -45,8 +46,8 @@ MEASURED = {
 # The same runs' single-GPU op on the same per-GPU work and PyTorch's context_parallel (the better
 # rotate method), fwd+bwd TFLOP/s per GPU, by (GPUs, heads, global tokens).
 LOCAL_AND_PYTORCH = {
-    (2, "GQA 32/8 d128", 65536): (612, 516), (2, "GQA 32/8 d128", 131072): (618, 533),
-    (2, "MLA 16h 192/128", 65536): (527, 380), (2, "MLA 16h 192/128", 131072): (525, 381),
+    (2, "GQA 32/8 d128", 65536): (608, 517), (2, "GQA 32/8 d128", 131072): (612, 530),
+    (2, "MLA 16h 192/128", 65536): (526, 380), (2, "MLA 16h 192/128", 131072): (526, 384),
     (4, "GQA 32/8 d128", 65536): (607, 490), (4, "GQA 32/8 d128", 131072): (612, 507),
     (4, "MLA 16h 192/128", 65536): (518, 326), (4, "MLA 16h 192/128", 131072): (523, 349),
 }

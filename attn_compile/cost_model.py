@@ -47,10 +47,11 @@ class Hardware:
     gpus_per_node: int = 0
     internode_gbps: float = 50.0  # each way per GPU: one 400 Gb/s network port per GPU
     gpu_memory_gb: float = 80.0  # what one GPU holds, for ``options``' memory check
-    # The share of a ring step's transfer that runs beside the step's compute, fwd+bwd. The ring's
-    # transfers run on high-priority streams (cp/comm.py's transfer_group), which hides most of the
-    # forward's (MLA 64K on 4 H200s: forward 510 to 636 TFLOP/s), but fwd+bwd rose 0.5-4.9%, which
-    # 0 fits best (bench plan --validate: the measured fastest in 8 of 8 shapes, 7 at 0.25)
+    # The share of a ring step's transfer that runs beside the step's compute, fwd+bwd, in a ring of
+    # more than two steps (two steps hide their transfers, ``_ring``). The ring's transfers run on
+    # high-priority streams (cp/comm.py's transfer_group), which hides most of the forward's (MLA
+    # 64K on 4 H200s: forward 510 to 636 TFLOP/s), but fwd+bwd rose 0.5-4.9%. bench plan --validate
+    # on bench_plan.MEASURED: 0, 0.25 and 0.5 choose alike (mean |error| 2.1%, 1.9%, 2.0%)
     ring_overlap: float = 0.0
     # The forward alone, fitted to bench cp's forward columns on 2 and 4 H200s (bench plan
     # --validate): the single-GPU op's forward runs at 648-727 TFLOP/s (MLA's the faster); the ring's
@@ -182,8 +183,8 @@ def _ring(p: Problem, hw: Hardware, ranks: int, compute: float, backward: float,
     ``backward`` times the forward's ``compute``; the forward alone computes for ``forward_alone``
     and its transfers hide behind its steps (each step takes the longer of the two). Each step also
     pays a fixed overhead and the fp32 merge of the partial output; in the backward that pass
-    stands for the fp32 dK and dV each step of a longer ring zeroes, adds to and passes on (fitted),
-    which a ring of two steps, whose dK and dV go home once (cp/ring.py's halo), does not pay."""
+    stands for the fp32 dK and dV each step of a longer ring sums and passes on (fitted), which a
+    ring of two steps, whose dK and dV go home once (cp/ring.py's halo), does not pay."""
     step_bytes = p.kv_bytes(p.h_kv) * p.ring_step_share(ranks)
     step_transfer = step_bytes / (hw.pass_gbps(ranks, stride) * 1e9)
     transfers = p.ring_transfers(ranks)
@@ -195,7 +196,10 @@ def _ring(p: Problem, hw: Hardware, ranks: int, compute: float, backward: float,
         return max(compute_s + (1 - overlap) * transfer_s, transfer_s)
 
     fwd = forward_step + transfers * step(forward_step, step_transfer)
-    bwd = backward_step + transfers * step(backward_step, 2 * step_transfer)
+    # a ring of two steps runs its halo's step between the halves of its own, with the keys' transfer
+    # beside the first and the gradients' beside the second (cp/ring.py's halo_backward)
+    bwd = backward_step + transfers * step(backward_step, 2 * step_transfer, overlap=1.0 if transfers == 1
+                                           else hw.ring_overlap)
     alone = alone_step + transfers * step(alone_step, step_transfer, overlap=1.0)
     return 3 * transfers * step_transfer, fwd, bwd, alone, 3 * step_bytes
 

@@ -152,8 +152,9 @@ def _groups(*sizes):
 
 
 @pytest.mark.parametrize("heads, cp, seq, expected", [
-    ((32, 8, 128, 128), 2, 32768, "ring"),  # GQA on 2 ranks at 64K: two ring steps, the dK/dV sent home once
-    ((16, 16, 192, 128), 2, 32768, "ulysses"),  # MLA on 2 ranks at 64K: one all-to-all beats its larger K and V's
+    ((32, 8, 128, 128), 2, 32768, "ring"),  # GQA on 2 ranks at 64K: two ring steps, their transfers hidden
+    ((16, 16, 192, 128), 2, 32768, "ring"),  # MLA likewise, its larger K and V's transfers hidden too
+    ((16, 16, 192, 128), 4, 16384, "ulysses"),  # MLA on 4 ranks at 64K: one all-to-all beats three ring steps
     ((12, 2, 128, 128), 8, 4096, "allgather"),  # Ulysses cannot split 12 heads 8 ways; the KV is small to gather
     ((32, 32, 128, 128), 8, 2048, "ulysses"),  # heads divide, short shards: one all-to-all is cheapest
     ((12, 12, 128, 128), 8, 32768, "ring"),  # Ulysses cannot split 12 heads 8 ways; the ring hides large KV

@@ -12,7 +12,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from attn_compile import context_parallel_attention, shard_varlen, unshard_varlen, varlen_attention
+from attn_compile.cp.documents import document_sharding
 from attn_compile.cp.layout import shard_sequence, unshard_sequence
+from attn_compile.cp.ring import halo_grads_exact
 from dist_harness import run_distributed
 from oracle import naive_attention, rel_err
 
@@ -117,3 +119,34 @@ def _check_documents(rank, world, strategies):
 @pytest.mark.parametrize("world", [2, 4])
 def test_packed_documents_under_every_strategy(world):
     run_distributed(_check_documents, world, (*STRATEGIES[world], "auto"))
+
+
+# (seed, layout, window, is_causal): the first two send the halo's dK and dV home in bf16 one way
+# and in float32 the other (a halo's rows of two calls sum in float32)
+HALF_CASES = ((2, "contiguous", (8, 8), False), (3, "zigzag", (8, 0), True), (3, "zigzag", (-1, -1), True))
+
+
+def _check_half_precision_ring(rank, world):
+    for seed, layout, window, is_causal in HALF_CASES:
+        cu_seqlens, longest = _documents(world, seed)
+        q, k, v, dout = (x[0].transpose(0, 1) for x in _inputs(seed, 1, int(cu_seqlens[-1])))
+        local = [shard_varlen(x.bfloat16(), cu_seqlens, dist.group.WORLD, layout)[0].requires_grad_()
+                 for x in (q, k, v)]
+        out = varlen_attention(*local, cu_seqlens, cu_seqlens, longest, longest, is_causal=is_causal, window=window,
+                               group=dist.group.WORLD, strategy="ring", layout=layout)
+        grads = torch.autograd.grad(out, local, shard_varlen(dout.bfloat16(), cu_seqlens, dist.group.WORLD, layout)[0])
+        got = [unshard_varlen(x.detach(), cu_seqlens, dist.group.WORLD, layout).double() for x in (out, *grads)]
+        want = _document_oracle(*(x.bfloat16().double() for x in (q, k, v, dout)), cu_seqlens, is_causal=is_causal,
+                                window=window)
+        for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+            assert rel_err(g, w) <= 1e-2, (name, rel_err(g, w), seed, layout, window, is_causal)
+
+
+def test_half_precision_ring_sends_halo_grads_in_a_dtype_both_ranks_agree_on():
+    """bf16 packed documents on a ring of two ranks, against float64: where one rank's halo sends
+    its dK and dV in bf16 and the other's in float32, each receives what the other sends."""
+    for seed, layout, window, is_causal in HALF_CASES[:2]:
+        sharding = document_sharding(tuple(_documents(2, seed)[0].tolist()), 2, layout)
+        exact = [halo_grads_exact(sharding, is_causal, window, rank, 1 - rank) for rank in (0, 1)]
+        assert exact[0] != exact[1]
+    run_distributed(_check_half_precision_ring, 2)

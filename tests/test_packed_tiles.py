@@ -10,6 +10,7 @@ import torch
 from attn_compile.cp import device_copies, packed_tiles, tiles
 from attn_compile.cp.bench_documents import mixed_lengths
 from attn_compile.cp.documents import DocumentSharding
+from attn_compile.cp.grad_sum import GradSum
 from attn_compile.cp.layout import SequenceSharding
 from attn_compile.cp.merge import MergedResult
 from attn_compile.cp.packed_tiles import PackedTiles
@@ -98,17 +99,17 @@ def _run_steps(sharding, is_causal, window, strategy, counts, seed=0):
         results.append(result)
     for rank in range(cp):
         out, lse = results[rank].out, results[rank].lse
-        dq = torch.zeros_like(shard(q, rank))
-        for plan_source in sources[rank]:
-            chunks, k_part, v_part = keys(rank, plan_source)
-            plan = plan_calls(sharding.chunks(rank), chunks, is_causal, window)
-            dk, dv = torch.zeros_like(k_part), torch.zeros_like(v_part)
+        plans = [plan_calls(sharding.chunks(rank), keys(rank, s)[0], is_causal, window) for s in sources[rank]]
+        dq = GradSum(shard(q, rank), [c.q_rows for plan in plans for c in plan])
+        for plan, plan_source in zip(plans, sources[rank]):
+            _, k_part, v_part = keys(rank, plan_source)
+            dk, dv = (GradSum(x, [c.k_rows for c in plan]) for x in (k_part, v_part))
             counted_call(lambda: attend_tiles_backward(shard(dout, rank), shard(q, rank), k_part, v_part, out, lse,
                                                        plan, SCALE, dq, dk, dv))
             rows = torch.arange(sharding.total) if plan_source is None else held[plan_source]
-            grads[1][:, :, rows] += dk
-            grads[2][:, :, rows] += dv
-        grads[0][:, :, held[rank]] += dq
+            grads[1][:, :, rows] += dk.result()
+            grads[2][:, :, rows] += dv.result()
+        grads[0][:, :, held[rank]] += dq.result()
     got = [whole([r.out for r in results]), *grads]
     want = _oracle(q, k, v, dout, sharding.cu_seqlens, is_causal, window)
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):

@@ -21,6 +21,7 @@ from .checks import check_call, sharding_of
 from .comm import all_gather_stacked, reduce_scatter_stacked, resolve, sized_group
 from .documents import ChunkSharding
 from .failures import failing_together
+from .grad_sum import GradSum
 from .merge import MergedResult
 from .registration import fake_grads, fake_result
 from .tiles import attend_tiles, attend_tiles_backward, plan_calls
@@ -55,12 +56,14 @@ def allgather_forward(q, k, v, group, scale, is_causal, window, sharding):
 def allgather_backward(dout, q, k, v, out, lse, k_all, v_all, group, scale, is_causal, window, sharding):
     if k_all is None:
         k_all, v_all = _gather_sequence(k, group, sharding), _gather_sequence(v, group, sharding)
-    dq = q.new_zeros(q.shape, dtype=lse.dtype)
-    dk_all, dv_all = torch.zeros_like(k_all, dtype=lse.dtype), torch.zeros_like(v_all, dtype=lse.dtype)
-    attend_tiles_backward(dout, q, k_all, v_all, out, lse, _calls(group, sharding, is_causal, window), scale, dq,
-                          dk_all, dv_all)
-    dk, dv = (_reduce_scatter_sequence(g, group, sharding).to(k.dtype).contiguous() for g in (dk_all, dv_all))
-    return dq.to(q.dtype), dk, dv
+    calls = _calls(group, sharding, is_causal, window)
+    dq = GradSum(q, [call.q_rows for call in calls])
+    # the whole sequence's dK and dV sum over every rank's: float32 until the reduce-scatter has added them
+    dk_all, dv_all = (GradSum(x, [call.k_rows for call in calls], dtype=lse.dtype) for x in (k_all, v_all))
+    attend_tiles_backward(dout, q, k_all, v_all, out, lse, calls, scale, dq, dk_all, dv_all)
+    dk, dv = (_reduce_scatter_sequence(g.result(), group, sharding).to(k.dtype).contiguous()
+              for g in (dk_all, dv_all))
+    return dq.result(), dk, dv
 
 
 @torch.library.custom_op("attn_cp::allgather_attention", mutates_args=())

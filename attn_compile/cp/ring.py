@@ -8,7 +8,8 @@ A sliding window may leave the ring's later steps with nothing to see on any ran
 stops after the last step some rank needs, so those blocks are neither computed nor sent. A ring
 of two steps (every ring of two ranks, and a window shorter than a shard on contiguous shards)
 moves each rank's keys one hop only: it sends just the rows the next rank sees (``halo``), and in
-the backward pass their dK and dV come straight home.
+the backward pass their dK and dV come straight home, while the second half of the rank's own
+step runs (``halo_backward``).
 K and V keep their own head count and head dims: no repeat for GQA, no padding for MLA.
 """
 import functools
@@ -20,10 +21,11 @@ from torch import Tensor
 from .checks import check_call, sharding_of
 from .comm import pass_round, resolve
 from .failures import failing_together, wait
+from .grad_sum import GradSum, most_parts
 from .layout import Chunk
 from .merge import MergedResult
 from .registration import register_strategy
-from .tiles import attend_tiles, attend_tiles_backward, plan_calls, plan_tiles
+from .tiles import Tile, attend_tiles, attend_tiles_backward, plan_calls, plan_tiles
 from .words import contiguous
 
 KV_TAG, GRAD_TAG = 0, 1
@@ -54,10 +56,11 @@ def halo(sharding, is_causal: bool, window: tuple, q_rank: int, kv_rank: int) ->
     return rows, plan_calls(sharding.chunks(q_rank), cut, is_causal, window)
 
 
-def _halo_exchange(tensors, group, tag, send_rows, receive_rows, shift=1):
+def _halo_exchange(tensors, group, tag, send_rows, receive_rows, shift=1, dtype=None):
     """Sends ``send_rows`` of each (B, H, S, D) tensor ``shift`` ranks on and receives
-    ``receive_rows`` of the like tensors from as far back."""
-    received = [t.new_empty((*t.shape[:2], receive_rows.stop - receive_rows.start, t.shape[3])) for t in tensors]
+    ``receive_rows`` of the like tensors (in ``dtype``, where the sender's differs) from as far back."""
+    received = [t.new_empty((*t.shape[:2], receive_rows.stop - receive_rows.start, t.shape[3]), dtype=dtype)
+                for t in tensors]
     return pass_round([t[:, :, send_rows] for t in tensors], group, tag, shift, into=received)
 
 
@@ -84,22 +87,49 @@ def halo_forward(q, k, v, group, scale, is_causal, window, sharding):
     return result.out, result.lse
 
 
+@functools.lru_cache(maxsize=256)
+def halo_grads_exact(sharding, is_causal: bool, window: tuple, q_rank: int, kv_rank: int) -> bool:
+    """Whether each row of kv_rank's halo gets its dK and dV from one of q_rank's calls: they then go
+    home in k's dtype, exactly the kernel's output, else in float32. Sender and receiver both decide
+    it from the sender's calls, so the transfer's sizes match."""
+    _, calls = halo(sharding, is_causal, window, q_rank, kv_rank)
+    return most_parts([call.k_rows for call in calls]) <= 1
+
+
+def _split_own(calls) -> tuple[tuple, tuple]:
+    """A rank's calls to its own keys as what runs before the halo's step and what runs after it:
+    the halo's keys arrive during the first, its dK and dV go home during the second. One tile is
+    cut in two by its query rows (``Tile.split_queries``)."""
+    if len(calls) == 1 and isinstance(calls[0], Tile):
+        calls = calls[0].split_queries()
+    return calls[:1], calls[1:]
+
+
 def halo_backward(dout, q, k, v, out, lse, group, scale, is_causal, window, sharding):
-    """``halo_forward``'s gradients: the halo's dK and dV go straight home, in float32, and add on there."""
-    k_len, dtypes = k.shape[2], (k.dtype, v.dtype)
+    """``halo_forward``'s gradients. The halo's step runs between two parts of this rank's own
+    (``_split_own``), so that both transfers run beside a kernel. The halo's dK and dV go straight
+    home in k's dtype where each of their rows is one call's (exactly the kernel's output), else in
+    float32, and every row's parts sum in float32, rounded once (``GradSum``)."""
+    rank, size, own_k, own_v = group.rank(), group.size(), k, v
     own, halo_calls, send_rows, (k, v), (k_halo, v_halo), works = _two_steps(k, v, group, is_causal, window,
                                                                               sharding)
-    dq = q.new_zeros(q.shape, dtype=lse.dtype)
-    dk, dv = (x.new_zeros(x.shape, dtype=lse.dtype) for x in (k, v))
-    attend_tiles_backward(dout, q, k, v, out, lse, own, scale, dq, dk, dv)
+    before, after = _split_own(own)
+    dq = GradSum(q, [call.q_rows for call in (*before, *halo_calls, *after)])
+    dk, dv = (GradSum(x, [*(call.k_rows for call in (*before, *after)), send_rows]) for x in (own_k, own_v))
+    sent_exact, received_exact = (halo_grads_exact(sharding, is_causal, window, q_rank, (q_rank - 1) % size)
+                                  for q_rank in (rank, (rank + 1) % size))
+    dk_halo, dv_halo = (GradSum(x, [call.k_rows for call in halo_calls], dtype=None if sent_exact else lse.dtype)
+                        for x in (k_halo, v_halo))
+    attend_tiles_backward(dout, q, k, v, out, lse, before, scale, dq, dk, dv)
     wait(works, group)
-    dk_halo, dv_halo = (x.new_zeros(x.shape, dtype=lse.dtype) for x in (k_halo, v_halo))
     attend_tiles_backward(dout, q, k_halo, v_halo, out, lse, halo_calls, scale, dq, dk_halo, dv_halo)
-    (dk_back, dv_back), works = _halo_exchange((dk_halo, dv_halo), group, GRAD_TAG, slice(None), send_rows, shift=-1)
+    back, works = _halo_exchange((dk_halo.result(), dv_halo.result()), group, GRAD_TAG, slice(None), send_rows,
+                                 shift=-1, dtype=k.dtype if received_exact else lse.dtype)
+    attend_tiles_backward(dout, q, k, v, out, lse, after, scale, dq, dk, dv)
     wait(works, group)
-    dk[:, :, send_rows] += dk_back
-    dv[:, :, send_rows] += dv_back
-    return dq.to(q.dtype), *(g[:, :, :k_len].to(dtype).contiguous() for g, dtype in zip((dk, dv), dtypes))
+    for total, grad in zip((dk, dv), back):
+        total.add(send_rows, grad)
+    return dq.result(), dk.result(), dv.result()
 
 
 def ring_forward(q, k, v, group, scale, is_causal, window, sharding):
@@ -126,25 +156,27 @@ def ring_backward(dout, q, k, v, out, lse, group, scale, is_causal, window, shar
     if steps == 2:
         return halo_backward(dout, q, k, v, out, lse, group, scale, is_causal, window, sharding)
     k, v = sharding.pad(k, 2), sharding.pad(v, 2)
-    dq = q.new_zeros(q.shape, dtype=lse.dtype)
+    calls = [_calls(sharding, rank, (rank - step) % size, is_causal, window) for step in range(steps)]
+    dq = GradSum(q, [call.q_rows for step_calls in calls for call in step_calls])
     for step in range(steps):
         if step + 1 < steps:
             next_kv, kv_works = pass_round((k, v), group, KV_TAG)
-        dk, dv = k.new_zeros(k.shape, dtype=lse.dtype), v.new_zeros(v.shape, dtype=lse.dtype)
-        calls = _calls(sharding, rank, (rank - step) % size, is_causal, window)
-        attend_tiles_backward(dout, q, k, v, out, lse, calls, scale, dq, dk, dv)
-        if step > 0:  # add what the ranks before this one found for the same keys
+        # what the ranks before this one found for the same keys is a part too; the last step's
+        # sums are the whole gradients of the keys of rank - (steps - 1), and go home in k's dtype
+        rows = [call.k_rows for call in calls[step]] + [slice(0, k.shape[2])] * (step > 0)
+        dk, dv = (GradSum(x, rows, dtype=None if step + 1 == steps else lse.dtype) for x in (k, v))
+        attend_tiles_backward(dout, q, k, v, out, lse, calls[step], scale, dq, dk, dv)
+        if step > 0:
             wait(grad_works, group)
-            dk += next_grads[0]
-            dv += next_grads[1]
+            dk.add(rows[-1], next_grads[0])
+            dv.add(rows[-1], next_grads[1])
         if step + 1 < steps:
-            next_grads, grad_works = pass_round((dk, dv), group, GRAD_TAG)
+            next_grads, grad_works = pass_round((dk.result(), dv.result()), group, GRAD_TAG)
             wait(kv_works, group)
             k, v = next_kv
-    # dk, dv are the whole gradients of the keys of rank - (steps - 1): they go home in k's dtype
-    (dk, dv), works = pass_round((dk.to(k.dtype), dv.to(v.dtype)), group, GRAD_TAG, shift=1 - steps)
+    (dk, dv), works = pass_round((dk.result(), dv.result()), group, GRAD_TAG, shift=1 - steps)
     wait(works, group)
-    return dq.to(q.dtype), *(contiguous(g[:, :, :k_len]) for g in (dk, dv))
+    return dq.result(), *(contiguous(g[:, :, :k_len]) for g in (dk, dv))
 
 
 @torch.library.custom_op("attn_cp::ring_attention", mutates_args=())

@@ -46,6 +46,24 @@ class Tile:
         return attention_backward(dout[:, :, q_rows], q[:, :, q_rows], k[:, :, k_rows], v[:, :, k_rows],
                                   out[:, :, q_rows], lse[:, :, q_rows], scale=scale, **self.masking)
 
+    def split_queries(self) -> tuple["Tile", ...]:
+        """The tile as two: the first half of its query rows and the rest, each against the keys
+        it sees (a causal square's first half against the first half of its keys)."""
+        n, m = self.q_rows.stop - self.q_rows.start, self.k_rows.stop - self.k_rows.start
+        left, right = effective_window(self.masking["is_causal"], self.masking["window"]) if self.masking \
+            else NO_WINDOW
+        shift = self.masking["q_offset"] - self.masking["k_offset"] if self.masking else 0
+        parts = []
+        for a, b in ((0, n // 2), (n // 2, n)):  # key j sees query i where -left <= j - i - shift <= right
+            lo = 0 if left == -1 else max(0, a + shift - left)
+            hi = m if right == -1 else min(m, b - 1 + shift + right + 1)
+            if b > a and hi > lo:
+                masking = self.masking and {**self.masking, "q_offset": self.masking["q_offset"] + a,
+                                            "k_offset": self.masking["k_offset"] + lo}
+                parts.append(Tile(slice(self.q_rows.start + a, self.q_rows.start + b),
+                                  slice(self.k_rows.start + lo, self.k_rows.start + hi), masking))
+        return tuple(parts)
+
 
 def _rows(chunks) -> slice:
     return slice(chunks[0].row, chunks[-1].row + chunks[-1].length)
@@ -225,8 +243,9 @@ def attend_tiles(q, k, v, calls, scale: float, result) -> None:
 
 
 def attend_tiles_backward(dout, q, k, v, out, lse, calls, scale: float, dq, dk, dv) -> None:
-    """Adds (k, v)'s share of the gradients into dq, dk, dv, in place; out and lse are final."""
+    """Adds (k, v)'s share of the gradients into dq, dk, dv (``grad_sum.GradSum``s told each call's
+    rows); out and lse are final."""
     for call in calls:
         grads = call.backward(dout, q, k, v, out, lse, scale)
-        for acc, rows, grad in zip((dq, dk, dv), (call.q_rows, call.k_rows, call.k_rows), grads):
-            acc[:, :, rows] += grad
+        for total, rows, grad in zip((dq, dk, dv), (call.q_rows, call.k_rows, call.k_rows), grads):
+            total.add(rows, grad)

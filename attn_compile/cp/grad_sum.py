@@ -1,0 +1,62 @@
+"""Summing a gradient whose parts come one kernel call at a time (a step's calls, other ranks'
+shares), each over some rows (``row_parts.py``)."""
+import torch
+
+from .row_parts import RowParts
+
+
+class GradSum(RowParts):
+    """The sum of parts over rows of a (B, H, S, D) gradient shaped like ``like``, computed in
+    float32 and rounded once to ``dtype`` (like's by default). A row of one part is that part
+    copied in, and a part that is the whole result (contiguous, as the result always is) is taken
+    as it is; a row of two parts is their sum written once, with no float32 buffer (an add of two
+    half-precision tensors computes in float32 and rounds once), where float32 zeros cost a fill,
+    an add per part and a cast. Rows no part covers are 0.
+    """
+
+    def __init__(self, like: torch.Tensor, parts_rows: list[slice], dtype=None):
+        super().__init__(like.shape[2], parts_rows)
+        self._like, self._dtype = like, like.dtype if dtype is None else dtype
+        self._running_dtype = torch.promote_types(self._dtype, torch.float32)
+        self._total = None
+        for segment in self.uncovered():
+            self._rows(segment).zero_()
+
+    def _rows(self, segment: slice) -> torch.Tensor:
+        if self._total is None:
+            self._total = self._like.new_empty(self._like.shape, dtype=self._dtype)
+        return self._total[:, :, segment]
+
+    def add(self, rows: slice, part: torch.Tensor) -> None:
+        """Adds the gradient ``part`` of rows ``rows``."""
+        for first, last, run, segment, piece in self.runs(rows):
+            grad = part[:, :, piece]
+            if first and last:
+                if self._total is None and grad.shape == self._like.shape and grad.dtype == self._dtype \
+                        and grad.is_contiguous():
+                    self._total = grad
+                else:
+                    self._rows(segment).copy_(grad)
+            elif first:
+                if not self.keep(run, part, rows.start):
+                    self.running_rows(segment, self._like, self._running_dtype).copy_(grad)
+            else:
+                so_far = self.kept_or_running(run, segment, self._like, self._running_dtype)
+                into = self._rows(segment) if last else so_far
+                if torch.promote_types(so_far.dtype, grad.dtype) == torch.promote_types(so_far.dtype, into.dtype):
+                    torch.add(so_far, grad, out=into)
+                else:  # an add computes in its inputs' dtype: two bf16 parts into a float32 result go there first
+                    into.copy_(so_far)
+                    into.add_(grad)
+
+    def result(self) -> torch.Tensor:
+        """The sum, once every part has come."""
+        if self._total is None:  # no rows
+            self._rows(slice(0, 0))
+        return self._total
+
+
+def most_parts(parts_rows: list[slice]) -> int:
+    """The most parts any row gets."""
+    edges = sorted({r.start for r in parts_rows if r.stop > r.start})
+    return max((sum(r.start <= row < r.stop for r in parts_rows) for row in edges), default=0)
