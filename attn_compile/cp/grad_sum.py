@@ -43,9 +43,10 @@ class GradSum(RowParts):
             else:
                 so_far = self.kept_or_running(run, segment, self._like, self._running_dtype)
                 into = self._rows(segment) if last else so_far
-                if torch.promote_types(so_far.dtype, grad.dtype) == torch.promote_types(so_far.dtype, into.dtype):
+                computed_in = torch.promote_types(so_far.dtype, grad.dtype)  # an add computes in its inputs' dtype
+                if torch.promote_types(computed_in, into.dtype) == computed_in:
                     torch.add(so_far, grad, out=into)
-                else:  # an add computes in its inputs' dtype: two bf16 parts into a float32 result go there first
+                else:  # two bf16 parts of a float32 result: added there, not rounded to bf16 first
                     into.copy_(so_far)
                     into.add_(grad)
 
