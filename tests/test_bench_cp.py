@@ -145,13 +145,15 @@ def _documents_benchmark_on_cpu(rank, world):
     bench_documents.DEVICE, bench_documents.HEADS = "cpu", (4, 2, 16, 8)
     printed, timed = _timed_on_cpu(
         lambda: bench_documents.benchmark(bench._groups(world), rounds=2, total=1024, window=(128, 0)))
-    # the window: local, 3 strategies x 3 variants, auto x 2 layouts; no window: local, 3, auto;
-    # each row a forward and a forward+backward, in each of 2 rounds
-    assert len(timed) == 2 * 2 * (12 + 5), len(timed)
+    # the window: local, 3 strategies x 3 variants, auto x 2 layouts; no window: local, 3 strategies
+    # and auto x 2 layouts; each row a forward and a forward+backward, in each of 2 rounds
+    assert len(timed) == 2 * 2 * (12 + 9), len(timed)
     if rank == 0:
         rows = [line.split()[0] for line in printed.splitlines()[2:]]
         assert rows == ["local", "ring", "ring", "ring", "allgather", "allgather", "allgather", "ulysses", "ulysses",
-                        "ulysses", "auto", "auto", "local", "ring", "allgather", "ulysses", "auto"], printed
+                        "ulysses", "auto", "auto", "local", "ring", "ring", "allgather", "allgather", "ulysses",
+                        "ulysses", "auto", "auto"], printed
+        assert sum("contiguous" in line for line in printed.splitlines()) == 8, printed
         assert "the median of 2 interleaved rounds" in printed
 
 
