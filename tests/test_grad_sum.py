@@ -72,6 +72,13 @@ def test_two_half_precision_parts_of_a_float32_sum_add_in_float32():
     assert torch.equal(total.result(), torch.full((1, 1, 2, 1), 1 + 2.0 ** -8))
 
 
+def test_a_sum_missing_a_part_raises():
+    total = GradSum(torch.empty(1, 1, 4, 2), [slice(0, 4), slice(2, 4)])
+    total.add(slice(0, 4), torch.randn(1, 1, 4, 2))
+    with pytest.raises(RuntimeError, match=r"^GradSum.result\(\) called before every part"):
+        total.result()
+
+
 def test_most_parts():
     assert most_parts(PARTS) == 3
     assert most_parts([slice(0, 4), slice(4, 8)]) == 1

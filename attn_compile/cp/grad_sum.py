@@ -52,6 +52,8 @@ class GradSum(RowParts):
 
     def result(self) -> torch.Tensor:
         """The sum, once every part has come."""
+        if not self.complete():
+            raise RuntimeError("GradSum.result() called before every part it was told of had been added")
         if self._total is None:  # no rows
             self._rows(slice(0, 0))
         return self._total

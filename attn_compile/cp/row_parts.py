@@ -21,6 +21,10 @@ class RowParts:
         self._kept = {}  # segment index: (its first part, the row where that part starts)
         self._running = None
 
+    def complete(self) -> bool:
+        """Whether every segment has had all its parts."""
+        return self._seen == self._parts
+
     def uncovered(self) -> list[slice]:
         """The segments no part covers."""
         return [segment for segment, parts in zip(self._segments, self._parts) if parts == 0]
