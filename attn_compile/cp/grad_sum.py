@@ -15,9 +15,9 @@ class GradSum(RowParts):
     """
 
     def __init__(self, like: torch.Tensor, parts_rows: list[slice], dtype=None):
-        super().__init__(like.shape[2], parts_rows)
         self._like, self._dtype = like, like.dtype if dtype is None else dtype
-        self._running_dtype = torch.promote_types(self._dtype, torch.float32)
+        running_dtype = torch.promote_types(self._dtype, torch.float32)
+        super().__init__(like.shape[2], parts_rows, running=(like.shape, running_dtype, like.device))
         self._total = None
         for segment in self.uncovered():
             self._rows(segment).zero_()
@@ -39,9 +39,9 @@ class GradSum(RowParts):
                     self._rows(segment).copy_(grad)
             elif first:
                 if not self.keep(run, part, rows.start):
-                    self.running_rows(segment, self._like, self._running_dtype).copy_(grad)
+                    self.running_rows(segment).copy_(grad)
             else:
-                so_far = self.kept_or_running(run, segment, self._like, self._running_dtype)
+                so_far = self.kept_or_running(run, segment)
                 into = self._rows(segment) if last else so_far
                 computed_in = torch.promote_types(so_far.dtype, grad.dtype)  # an add computes in its inputs' dtype
                 if torch.promote_types(computed_in, into.dtype) == computed_in:

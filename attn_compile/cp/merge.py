@@ -18,9 +18,9 @@ class MergedResult(RowParts):
     """
 
     def __init__(self, q: torch.Tensor, v: torch.Tensor, parts_rows: list[slice]):
-        super().__init__(q.shape[2], parts_rows)
         self.out = q.new_empty((*q.shape[:-1], v.shape[-1]))
         self.lse = q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
+        super().__init__(q.shape[2], parts_rows, running=(self.out.shape, self.lse.dtype, q.device))
         for segment in self.uncovered():
             self.out[:, :, segment].zero_()
             self.lse[:, :, segment].fill_(float("-inf"))
@@ -33,8 +33,8 @@ class MergedResult(RowParts):
                 if last:
                     self.out[:, :, segment].copy_(out)
                 elif not self.keep(run, part_out, rows.start):
-                    self.running_rows(segment, self.out, self.lse.dtype).copy_(out)
+                    self.running_rows(segment).copy_(out)
                 self.lse[:, :, segment].copy_(lse)
             else:
-                merge_into(self.kept_or_running(run, segment, self.out, self.lse.dtype), self.lse[:, :, segment],
+                merge_into(self.kept_or_running(run, segment), self.lse[:, :, segment],
                            out, lse, into=self.out[:, :, segment] if last else None)

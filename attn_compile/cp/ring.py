@@ -163,13 +163,14 @@ def ring_backward(dout, q, k, v, out, lse, group, scale, is_causal, window, shar
             next_kv, kv_works = pass_round((k, v), group, KV_TAG)
         # what the ranks before this one found for the same keys is a part too; the last step's
         # sums are the whole gradients of the keys of rank - (steps - 1), and go home in k's dtype
-        rows = [call.k_rows for call in calls[step]] + [slice(0, k.shape[2])] * (step > 0)
+        whole = slice(0, k.shape[2])
+        rows = [call.k_rows for call in calls[step]] + [whole] * (step > 0)
         dk, dv = (GradSum(x, rows, dtype=None if step + 1 == steps else lse.dtype) for x in (k, v))
         attend_tiles_backward(dout, q, k, v, out, lse, calls[step], scale, dq, dk, dv)
         if step > 0:
             wait(grad_works, group)
-            dk.add(rows[-1], next_grads[0])
-            dv.add(rows[-1], next_grads[1])
+            dk.add(whole, next_grads[0])
+            dv.add(whole, next_grads[1])
         if step + 1 < steps:
             next_grads, grad_works = pass_round((dk.result(), dv.result()), group, GRAD_TAG)
             wait(kv_works, group)

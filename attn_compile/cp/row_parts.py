@@ -5,7 +5,7 @@ the outputs of a step's calls, which merge (``merge.py``), and their gradients, 
 Every part's rows are told up front, so the rows fall into segments (cut at every part's edges)
 that each know how many parts they get: the first part is taken as it is and the last writes the
 result. A segment of two parts keeps its first part where the part lies, uncopied, until the
-second combines with it; one of more parts runs in a float32 buffer.
+second combines with it; one of three or more parts runs in a float32 buffer.
 """
 import itertools
 
@@ -13,12 +13,16 @@ import torch
 
 
 class RowParts:
-    def __init__(self, rows: int, parts_rows: list[slice]):
+    """``running``: (shape, dtype, device) of the float32 buffer where three or more parts
+    combine, made when first needed."""
+
+    def __init__(self, rows: int, parts_rows: list[slice], running: tuple):
         cuts = sorted({0, rows, *(r.start for r in parts_rows), *(r.stop for r in parts_rows)})
         self._segments = [slice(a, b) for a, b in itertools.pairwise(cuts)]
         self._parts = [sum(r.start <= s.start and s.stop <= r.stop for r in parts_rows) for s in self._segments]
         self._seen = [0] * len(self._segments)
         self._kept = {}  # segment index: (its first part, the row where that part starts)
+        self._running_spec = running
         self._running = None
 
     def complete(self) -> bool:
@@ -55,17 +59,18 @@ class RowParts:
         self._kept.update({i: (part, start) for i in run})
         return True
 
-    def running_rows(self, segment: slice, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Rows ``segment`` of the float32 (``dtype``) buffer where parts combine, shaped like ``like``."""
+    def running_rows(self, segment: slice) -> torch.Tensor:
+        """Rows ``segment`` of the float32 buffer where parts combine."""
         if self._running is None:
-            self._running = torch.empty_like(like, dtype=dtype)
+            shape, dtype, device = self._running_spec
+            self._running = torch.empty(shape, dtype=dtype, device=device)
         return self._running[:, :, segment]
 
-    def kept_or_running(self, run: list, segment: slice, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def kept_or_running(self, run: list, segment: slice) -> torch.Tensor:
         """What the segments ``run`` (rows ``segment``) hold so far: their first part where kept,
         else the running buffer's rows."""
         kept = [self._kept.pop(i, None) for i in run][0]  # one first part for the run (``runs``' state)
         if kept is None:
-            return self.running_rows(segment, like, dtype)
+            return self.running_rows(segment)
         first, start = kept
         return first[:, :, segment.start - start:segment.stop - start]
