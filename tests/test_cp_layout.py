@@ -224,7 +224,8 @@ def test_row_gathers_and_copies_move_words_where_the_rows_allow(dtype, last):
     oracle = x.double().index_select(0, index)
     assert index_rows(x, index).dtype == dtype and torch.equal(index_rows(x, index).double(), oracle)
     buffer = torch.full((9, 3, last), 7.0, dtype=dtype)
-    assert index_rows(x, index, buffer.narrow(0, 1, 7)) is not None
+    out = buffer.narrow(0, 1, 7)
+    assert index_rows(x, index, out) is out  # as index_select with out= returns it
     assert torch.equal(buffer[1:8].double(), oracle) and (buffer[[0, 8]] == 7).all()
     into = torch.full((3, 12, last), 7.0, dtype=dtype)
     copy_into(into[:, 2:12], x.transpose(0, 1))  # a strided source, as the Ulysses send of packed rows
