@@ -25,31 +25,30 @@ HEADS = {  # name: (h_q, h_kv, d_qk, d_v), as bench cp runs them
 # Measured TFLOP/s per GPU of `bench cp` (bf16, causal, batch 1, zigzag), forward and fwd+bwd, by
 # (GPUs, heads, global tokens): {strategy: (forward, fwd+bwd)}; the forward ran with no backward
 # after it. The hybrid ran on a (2, 2) mesh. NVIDIA H200s (NVLink), torch 2.11.0+cu130,
-# flash-attn-4 4.0.0b36 inside the single-GPU op, 2026-11-28 (each shape's rows in 3 interleaved
-# rounds, the median): 4 GPUs at ca3a9ca; 2 GPUs on a 2-GPU host, with the two-step ring's backward
-# of cp/ring.py's halo_backward (its transfers beside the two halves of its own step).
+# flash-attn-4 4.0.0b36 inside the single-GPU op, 2026-11-28, commit a0a7bdb, each shape's rows in
+# 3 interleaved rounds (the median): 4 GPUs, then GPUs 0 and 1 of the same host.
 MEASURED = {
-    (2, "GQA 32/8 d128", 65536): dict(ring=(623, 579), allgather=(603, 580), ulysses=(607, 583)),
-    (2, "GQA 32/8 d128", 131072): dict(ring=(635, 602), allgather=(630, 600), ulysses=(631, 601)),
-    (2, "MLA 16h 192/128", 65536): dict(ring=(644, 492), allgather=(598, 480), ulysses=(613, 489)),
-    (2, "MLA 16h 192/128", 131072): dict(ring=(673, 511), allgather=(637, 502), ulysses=(653, 512)),
-    (4, "GQA 32/8 d128", 65536): dict(ring=(591, 550), allgather=(582, 545), ulysses=(598, 574),
-                                      hybrid=(583, 555)),
-    (4, "GQA 32/8 d128", 131072): dict(ring=(611, 573), allgather=(605, 583), ulysses=(615, 597),
-                                       hybrid=(609, 586)),
-    (4, "MLA 16h 192/128", 65536): dict(ring=(610, 440), allgather=(510, 418), ulysses=(605, 484),
-                                        hybrid=(585, 455)),
-    (4, "MLA 16h 192/128", 131072): dict(ring=(646, 472), allgather=(566, 467), ulysses=(633, 503),
-                                         hybrid=(628, 488)),
+    (2, "GQA 32/8 d128", 65536): dict(ring=(619, 586), allgather=(613, 587), ulysses=(610, 589)),
+    (2, "GQA 32/8 d128", 131072): dict(ring=(634, 606), allgather=(627, 604), ulysses=(632, 607)),
+    (2, "MLA 16h 192/128", 65536): dict(ring=(662, 495), allgather=(608, 475), ulysses=(617, 493)),
+    (2, "MLA 16h 192/128", 131072): dict(ring=(672, 509), allgather=(640, 499), ulysses=(650, 511)),
+    (4, "GQA 32/8 d128", 65536): dict(ring=(579, 553), allgather=(587, 553), ulysses=(609, 580),
+                                      hybrid=(587, 568)),
+    (4, "GQA 32/8 d128", 131072): dict(ring=(609, 573), allgather=(612, 589), ulysses=(620, 599),
+                                       hybrid=(615, 587)),
+    (4, "MLA 16h 192/128", 65536): dict(ring=(605, 448), allgather=(551, 430), ulysses=(617, 487),
+                                        hybrid=(601, 472)),
+    (4, "MLA 16h 192/128", 131072): dict(ring=(638, 475), allgather=(597, 474), ulysses=(640, 502),
+                                         hybrid=(640, 491)),
 }
 
 # The same runs' single-GPU op on the same per-GPU work and PyTorch's context_parallel (the better
 # rotate method), fwd+bwd TFLOP/s per GPU, by (GPUs, heads, global tokens).
 LOCAL_AND_PYTORCH = {
-    (2, "GQA 32/8 d128", 65536): (608, 517), (2, "GQA 32/8 d128", 131072): (612, 530),
-    (2, "MLA 16h 192/128", 65536): (526, 380), (2, "MLA 16h 192/128", 131072): (526, 384),
-    (4, "GQA 32/8 d128", 65536): (607, 490), (4, "GQA 32/8 d128", 131072): (612, 507),
-    (4, "MLA 16h 192/128", 65536): (518, 326), (4, "MLA 16h 192/128", 131072): (523, 349),
+    (2, "GQA 32/8 d128", 65536): (612, 518), (2, "GQA 32/8 d128", 131072): (618, 534),
+    (2, "MLA 16h 192/128", 65536): (524, 384), (2, "MLA 16h 192/128", 131072): (525, 385),
+    (4, "GQA 32/8 d128", 65536): (606, 486), (4, "GQA 32/8 d128", 131072): (611, 508),
+    (4, "MLA 16h 192/128", 65536): (518, 326), (4, "MLA 16h 192/128", 131072): (521, 347),
 }
 
 ASSUMPTIONS = (

@@ -54,13 +54,16 @@ class Hardware:
     # on bench_plan.MEASURED: 0, 0.25 and 0.5 choose alike (mean |error| 2.1%, 1.9%, 2.0%)
     ring_overlap: float = 0.0
     # The forward alone, fitted to bench cp's forward columns on 2 and 4 H200s (bench plan
-    # --validate): the single-GPU op's forward runs at 648-727 TFLOP/s (MLA's the faster); the ring's
-    # transfers hide behind its steps (each step takes the longer of its compute and its transfer);
-    # the all-gather and the all-to-all, waited for before the attention, move at these shares of
-    # their fwd+bwd rates, their joins and copies included
+    # --validate): the single-GPU op's forward runs at 635-693 TFLOP/s (MLA's the faster). A ring of
+    # two steps hides its one transfer behind its steps (each step takes the longer of the two); a
+    # longer ring hides this share of each step's transfer: at 1.0 the model put the ring's forward
+    # first on 4 GPUs, where it measured 0.3-4.9% slower than Ulysses' in 3 of 4 shapes. The
+    # all-gather and the all-to-all, waited for before the attention, move at these shares of their
+    # fwd+bwd rates, their joins and copies included
     forward_tflops: float = 660.0
+    forward_ring_overlap: float = 0.5
     forward_allgather_efficiency: float = 0.30
-    forward_a2a_efficiency: float = 0.80
+    forward_a2a_efficiency: float = 1.0
 
     def spans_nodes(self, ranks: int, stride: int = 1) -> bool:
         """Whether a group of ``ranks`` ranks ``stride`` apart crosses nodes (a group starts at a
@@ -181,7 +184,8 @@ def _ring(p: Problem, hw: Hardware, ranks: int, compute: float, backward: float,
     """(transfer, forward time, backward time, time of the forward alone, memory) of a ring over
     ``ranks`` ranks ``stride`` apart: KV forward, KV and dKV backward, the backward taking
     ``backward`` times the forward's ``compute``; the forward alone computes for ``forward_alone``
-    and its transfers hide behind its steps (each step takes the longer of the two). Each step also
+    and a ring of two steps hides its transfer behind its steps (each step takes the longer of the
+    two), a longer ring ``Hardware.forward_ring_overlap`` of each. Each step also
     pays a fixed overhead and the fp32 merge of the partial output; in the backward that pass
     stands for the fp32 dK and dV each step of a longer ring sums and passes on (fitted), which a
     ring of two steps, whose dK and dV go home once (cp/ring.py's halo), does not pay."""
@@ -200,7 +204,8 @@ def _ring(p: Problem, hw: Hardware, ranks: int, compute: float, backward: float,
     # beside the first and the gradients' beside the second (cp/ring.py's halo_backward)
     bwd = backward_step + transfers * step(backward_step, 2 * step_transfer, overlap=1.0 if transfers == 1
                                            else hw.ring_overlap)
-    alone = alone_step + transfers * step(alone_step, step_transfer, overlap=1.0)
+    alone = alone_step + transfers * step(alone_step, step_transfer, overlap=1.0 if transfers == 1
+                                          else hw.forward_ring_overlap)
     return 3 * transfers * step_transfer, fwd, bwd, alone, 3 * step_bytes
 
 

@@ -53,10 +53,11 @@ def test_bad_arguments_are_named(capsys, argv, message):
 
 
 def test_validation_prints_the_model_error_against_measured_tables(capsys):
-    """fwd+bwd, then the forward alone (the choice where no gradient is needed). The forward's
-    strategies lie within a few percent of each other, so its fastest is matched less often; the
-    summary bounds how far the model's pick falls short of the measured fastest (on 2 GPUs, GQA's
-    three strategies measured within 1% of each other fwd+bwd)."""
+    """fwd+bwd, then the forward alone (the choice where no gradient is needed). The summary
+    bounds how far the model's pick falls short of the measured fastest: fwd+bwd, the ring on 2
+    GPUs where Ulysses measured up to 0.5% faster (GQA at 64K and 128K, MLA at 128K: strategies
+    within 1% of each other); the forward alone, the fastest in every shape, though the model puts
+    the all-gather's forward 17-28% too slow for MLA on 4 GPUs."""
     fwd_bwd, forward = (part.splitlines() for part in _plan(capsys, "--validate").strip().split("\n\n"))
     assert fwd_bwd[0].startswith("validation: the cost model's fwd+bwd TFLOP/s")
     assert forward[0].startswith("validation: the cost model's forward alone TFLOP/s")
@@ -70,17 +71,17 @@ def test_validation_prints_the_model_error_against_measured_tables(capsys):
         assert summary, out[-1]
         summaries.append((float(summary[1]), int(summary[2]), float(summary[3])))
     (fb_error, fb_agreed, fb_worst), (f_error, f_agreed, f_worst) = summaries
-    assert fb_error < 2.5 and fb_agreed >= 6 and fb_worst >= 0.99
-    assert f_error < 4.0 and f_agreed >= 6 and f_worst >= 0.985
+    assert fb_error < 2.5 and fb_agreed >= 5 and fb_worst >= 0.99
+    assert f_error < 5.0 and f_agreed == 8 and f_worst == 1.0
 
 
 def test_efficiency_against_gpu_count():
     """The plot's points: the best measured strategy and PyTorch's context_parallel over the
-    single-GPU op, one GPU at 1.0 (4x H200, GQA 32/8 at 128K: Ulysses 597 / 612 and 507 / 612)."""
+    single-GPU op, one GPU at 1.0 (4x H200, GQA 32/8 at 128K: Ulysses 599 / 611 and 508 / 611)."""
     from attn_compile import bench_plan
 
     curves = bench_plan.efficiency()
     assert set(curves) == {(name, seq) for _, name, seq in bench_plan.MEASURED}
     gqa = curves["GQA 32/8 d128", 131072]
     assert [gpus for gpus, _ in gqa["attn_cp"]] == [1, 2, 4]
-    assert abs(gqa["attn_cp"][2][1] - 597 / 612) < 1e-9 and abs(gqa["PyTorch"][2][1] - 507 / 612) < 1e-9
+    assert abs(gqa["attn_cp"][2][1] - 599 / 611) < 1e-9 and abs(gqa["PyTorch"][2][1] - 508 / 611) < 1e-9
