@@ -57,7 +57,7 @@ class Hardware:
     # --validate): the single-GPU op's forward runs at 635-693 TFLOP/s (MLA's the faster). A ring of
     # two steps hides its one transfer behind its steps (each step takes the longer of the two); a
     # longer ring hides this share of each step's transfer: at 1.0 the model put the ring's forward
-    # first on 4 GPUs, where it measured 0.3-4.9% slower than Ulysses' in 3 of 4 shapes. The
+    # first on 4 GPUs, where it measured 0.3-4.9% slower than Ulysses' in all 4 shapes. The
     # all-gather and the all-to-all, waited for before the attention, move at these shares of their
     # fwd+bwd rates, their joins and copies included
     forward_tflops: float = 660.0
