@@ -309,12 +309,15 @@ def choose(p: Problem, hw: Hardware = Hardware(), strategy: str = "auto") -> tup
     one, or ``strategy`` when it is forced and feasible. Packed documents take Ulysses wherever it
     can run: it attends the whole batch in one varlen call, while the ring and the all-gather
     attend each step's per-document tiles, whose costs (fp32 gradient accumulation, filler rows,
-    more calls) the model leaves out. Measured on 2 and 4 H200s, 131,072 tokens in 17 documents,
-    with and without a window, Ulysses ran 1.1-2.3x faster than the other strategies, where the
-    model chose the all-gather on 2 GPUs (BENCHMARKS.md). The exception is the contiguous layout
-    under a sliding window: there a rank needs the window's rows of the rank before it only, and
-    the ring sends just those and attends the rest locally. Where no backward follows
-    (``p.backward`` false), the fastest forward is chosen."""
+    more calls) the model leaves out. Measured on 2 and 4 H200s, 131,072 tokens in 17 documents
+    on zigzag shards, with and without a window, Ulysses ran 1.15-3.3x faster in fwd+bwd than the
+    other strategies (BENCHMARKS.md). The exception is the contiguous layout under a sliding
+    window: there a rank needs the window's rows of the rank before it only, and the ring sends
+    just those and attends the rest locally. Without a window the same holds where no document
+    spans more than two ranks' pieces (the ring measured 0.869 of one GPU fwd+bwd against Ulysses'
+    0.821 on 2 H200s), but the ranks cannot tell that alike from their shards, whose token counts
+    differ by one, so Ulysses stays the choice there. Where no backward follows (``p.backward``
+    false), the fastest forward is chosen."""
     table = {}
     for name in STRATEGIES:
         ok, reason = feasible(name, p)
