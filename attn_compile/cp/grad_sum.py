@@ -2,7 +2,7 @@
 shares), each over some rows (``row_parts.py``)."""
 import torch
 
-from .row_parts import RowParts
+from .row_parts import RowParts, segments
 
 
 class GradSum(RowParts):
@@ -61,5 +61,4 @@ class GradSum(RowParts):
 
 def most_parts(parts_rows: list[slice]) -> int:
     """The most parts any row gets."""
-    edges = sorted({r.start for r in parts_rows if r.stop > r.start})
-    return max((sum(r.start <= row < r.stop for r in parts_rows) for row in edges), default=0)
+    return max(segments(max((r.stop for r in parts_rows), default=0), parts_rows)[1], default=0)

@@ -158,12 +158,12 @@ def ring_backward(dout, q, k, v, out, lse, group, scale, is_causal, window, shar
     k, v = sharding.pad(k, 2), sharding.pad(v, 2)
     calls = [_calls(sharding, rank, (rank - step) % size, is_causal, window) for step in range(steps)]
     dq = GradSum(q, [call.q_rows for step_calls in calls for call in step_calls])
+    whole = slice(0, k.shape[2])  # every shard travels padded to one length
     for step in range(steps):
         if step + 1 < steps:
             next_kv, kv_works = pass_round((k, v), group, KV_TAG)
         # what the ranks before this one found for the same keys is a part too; the last step's
         # sums are the whole gradients of the keys of rank - (steps - 1), and go home in k's dtype
-        whole = slice(0, k.shape[2])
         rows = [call.k_rows for call in calls[step]] + [whole] * (step > 0)
         dk, dv = (GradSum(x, rows, dtype=None if step + 1 == steps else lse.dtype) for x in (k, v))
         attend_tiles_backward(dout, q, k, v, out, lse, calls[step], scale, dq, dk, dv)

@@ -12,14 +12,19 @@ import itertools
 import torch
 
 
+def segments(rows: int, parts_rows: list[slice]) -> tuple[list[slice], list[int]]:
+    """Rows 0..``rows`` cut at every part's edges, and how many parts cover each segment."""
+    cuts = sorted({0, rows, *(r.start for r in parts_rows), *(r.stop for r in parts_rows)})
+    cut = [slice(a, b) for a, b in itertools.pairwise(cuts)]
+    return cut, [sum(r.start <= s.start and s.stop <= r.stop for r in parts_rows) for s in cut]
+
+
 class RowParts:
     """``running``: (shape, dtype, device) of the float32 buffer where three or more parts
     combine, made when first needed."""
 
     def __init__(self, rows: int, parts_rows: list[slice], running: tuple):
-        cuts = sorted({0, rows, *(r.start for r in parts_rows), *(r.stop for r in parts_rows)})
-        self._segments = [slice(a, b) for a, b in itertools.pairwise(cuts)]
-        self._parts = [sum(r.start <= s.start and s.stop <= r.stop for r in parts_rows) for s in self._segments]
+        self._segments, self._parts = segments(rows, parts_rows)
         self._seen = [0] * len(self._segments)
         self._kept = {}  # segment index: (its first part, the row where that part starts)
         self._running_spec = running
