@@ -180,7 +180,7 @@ def _backward_compute(p: Problem, hw: Hardware) -> float:
 
 
 def _ring(p: Problem, hw: Hardware, ranks: int, compute: float, backward: float, forward_alone: float,
-          stride: int = 1) -> tuple[float, float, float, float, float]:
+          stride: int = 1, keeps_halo: bool = False) -> tuple[float, float, float, float, float]:
     """(transfer, forward time, backward time, time of the forward alone, memory) of a ring over
     ``ranks`` ranks ``stride`` apart: KV forward, KV and dKV backward, the backward taking
     ``backward`` times the forward's ``compute``; the forward alone computes for ``forward_alone``
@@ -188,7 +188,8 @@ def _ring(p: Problem, hw: Hardware, ranks: int, compute: float, backward: float,
     two), a longer ring ``Hardware.forward_ring_overlap`` of each. Each step also
     pays a fixed overhead and the fp32 merge of the partial output; in the backward that pass
     stands for the fp32 dK and dV each step of a longer ring sums and passes on (fitted), which a
-    ring of two steps, whose dK and dV go home once (cp/ring.py's halo), does not pay."""
+    ring of two steps, whose dK and dV go home once (cp/ring.py's halo), does not pay. A ring of two
+    steps that ``keeps_halo`` does not send its keys again in the backward."""
     step_bytes = p.kv_bytes(p.h_kv) * p.ring_step_share(ranks)
     step_transfer = step_bytes / (hw.pass_gbps(ranks, stride) * 1e9)
     transfers = p.ring_transfers(ranks)
@@ -200,13 +201,13 @@ def _ring(p: Problem, hw: Hardware, ranks: int, compute: float, backward: float,
         return max(compute_s + (1 - overlap) * transfer_s, transfer_s)
 
     fwd = forward_step + transfers * step(forward_step, step_transfer)
-    # a ring of two steps runs its halo's step between the halves of its own, with the keys' transfer
-    # beside the first and the gradients' beside the second (cp/ring.py's halo_backward)
-    bwd = backward_step + transfers * step(backward_step, 2 * step_transfer, overlap=1.0 if transfers == 1
-                                           else hw.ring_overlap)
+    # a ring of two steps hides its backward's transfers beside its own step (cp/ring.py's halo_backward)
+    backward_transfers = 1 + (not keeps_halo) if transfers == 1 else 2
+    bwd = backward_step + transfers * step(backward_step, backward_transfers * step_transfer,
+                                           overlap=1.0 if transfers == 1 else hw.ring_overlap)
     alone = alone_step + transfers * step(alone_step, step_transfer, overlap=1.0 if transfers == 1
                                           else hw.forward_ring_overlap)
-    return 3 * transfers * step_transfer, fwd, bwd, alone, 3 * step_bytes
+    return (1 + backward_transfers) * transfers * step_transfer, fwd, bwd, alone, 3 * step_bytes
 
 
 def estimate(strategy: str, p: Problem, hw: Hardware = Hardware()) -> Estimate:
@@ -215,7 +216,8 @@ def estimate(strategy: str, p: Problem, hw: Hardware = Hardware()) -> Estimate:
     backward = _backward_compute(p, hw)
     total_compute = compute * (1 + backward)
     if strategy == "ring":
-        transfer, fwd, bwd, forward_time, memory = _ring(p, hw, p.cp, compute, backward, forward)
+        transfer, fwd, bwd, forward_time, memory = _ring(p, hw, p.cp, compute, backward, forward,
+                                                         keeps_halo=p.cp == 2)  # cp/ring.py's kept_halo
         time = fwd + bwd
     elif strategy == "allgather":
         # all-gather of KV in forward, again in backward (recomputed), reduce-scatter of dKV
@@ -311,13 +313,15 @@ def choose(p: Problem, hw: Hardware = Hardware(), strategy: str = "auto") -> tup
     attend each step's per-document tiles, whose costs (fp32 gradient accumulation, filler rows,
     more calls) the model leaves out. Measured on 2 and 4 H200s, 131,072 tokens in 17 documents
     on zigzag shards, with and without a window, Ulysses ran 1.15-3.3x faster in fwd+bwd than the
-    other strategies (BENCHMARKS.md). The exception is the contiguous layout under a sliding
-    window: there a rank needs the window's rows of the rank before it only, and the ring sends
-    just those and attends the rest locally. Without a window the same holds where no document
-    spans more than two ranks' pieces (the ring measured 0.869 of one GPU fwd+bwd against Ulysses'
-    0.821 on 2 H200s), but the ranks cannot tell that alike from their shards, whose token counts
-    differ by one, so Ulysses stays the choice there. Where no backward follows (``p.backward``
-    false), the fastest forward is chosen."""
+    other strategies (BENCHMARKS.md). The exception is the contiguous layout where the ring has
+    two steps: under a sliding window, or on two ranks. A rank then needs the rows of the rank
+    before it that its queries see, the ring sends just those (a window's rows, or the part of
+    the document that spans both ranks) and attends the rest locally: on 2 H200s, 0.926 / 0.905
+    of one GPU with a window and 0.902 / 0.880 without, against Ulysses' 0.600 / 0.739 and
+    0.754 / 0.823. On more ranks without a window the ring has two steps only where no document
+    spans more than two ranks' pieces, which the ranks cannot tell alike from their shards (whose
+    token counts differ by one), so Ulysses stays the choice there. Where no backward follows
+    (``p.backward`` false), the fastest forward is chosen."""
     table = {}
     for name in STRATEGIES:
         ok, reason = feasible(name, p)
@@ -327,7 +331,8 @@ def choose(p: Problem, hw: Hardware = Hardware(), strategy: str = "auto") -> tup
         reasons = "; ".join(f"{s}: {r}" for s, r in table.items())
         raise ValueError(f"no context-parallel strategy can run this problem on mesh {p.mesh_shape}: {reasons}")
     if strategy == "auto":
-        if p.documents and p.halo_reach() is not None and "ring" in estimates:
+        if p.documents and p.layout == "contiguous" and (p.halo_reach() is not None or p.cp == 2) \
+                and "ring" in estimates:
             return "ring", table
         if p.documents and "ulysses" in estimates:
             return "ulysses", table

@@ -134,7 +134,8 @@ def _sharded_batch_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                      is_causal: bool = False, scale: Optional[float] = None, window=None, group=None,
-                     strategy: str = "auto", layout: str = "zigzag", return_lse: bool = False, debug: bool = False):
+                     strategy: str = "auto", layout: str = "zigzag", recompute_kv: bool = False, return_lse: bool = False,
+                     debug: bool = False):
     """Attention within each packed document: out (total_q, h_q, d_v), and with ``return_lse`` the
     log-sum-exp (total_q, h_q), float32, which carries no gradient.
 
@@ -147,7 +148,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     ``group`` (a ProcessGroup or 1-D DeviceMesh, or a 2-D DeviceMesh for "hybrid") makes it
     context-parallel: q, k, v are this rank's tokens from ``shard_varlen(x, cu_seqlens, group,
     layout)``, ``cu_seqlens_q`` is ``cu_seqlens_k`` and describes the whole batch, and
-    ``strategy`` is "ring", "allgather", "ulysses", "hybrid" or "auto".
+    ``strategy`` is "ring", "allgather", "ulysses", "hybrid" or "auto". ``recompute_kv``: a ring of
+    two ranks receives the other rank's keys again in backward instead of keeping the rows it
+    received (all-gather always gathers again for packed documents).
     """
     scale = default_scale(q, scale)
     if group is None and strategy != "auto":
@@ -161,6 +164,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
         raise_on_every_rank(process_groups(group), q, k, v, problem)
     out, lse = context_parallel_attention(
         *(unpacked(x, 1) for x in (q, k, v)), group=group, strategy=strategy, is_causal=is_causal,
-        scale=scale, layout=layout, return_lse=True, window=window, cu_seqlens=cu_seqlens_q, max_seqlen=max_seqlen_q)
+        scale=scale, layout=layout, return_lse=True, recompute_kv=recompute_kv, window=window, cu_seqlens=cu_seqlens_q,
+        max_seqlen=max_seqlen_q)
     out, lse = packed(out), packed(lse)
     return (out, lse) if return_lse else out

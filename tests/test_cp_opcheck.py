@@ -1,4 +1,6 @@
 """torch.library.opcheck on every attn_cp context-parallel op, forward and backward, in a gloo group."""
+import itertools
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -20,11 +22,6 @@ def _opcheck_all(rank, world):
     for is_causal, layout, memory in ((True, "zigzag", "BHSD"), (False, "contiguous", "BSHD")):
         # GQA + MLA: 4/2 heads, d_qk 24, d_v 16; BSHD memory as a model's .transpose(1, 2) hands it over
         q, k, v = (_in_memory(torch.randn(2, h, 8, d), memory).requires_grad_() for h, d in ((4, 24), (2, 24), (2, 16)))
-        config = (name, SCALE, is_causal, layout)
-        torch.library.opcheck(ops.ring_attention.default, (q, k, v, *config))
-        out, lse = ops.ring_attention(q, k, v, *config)
-        torch.library.opcheck(ops.ring_attention_backward.default,
-                              (torch.randn_like(out), *_detached(q, k, v, out), lse, *config))
         # Ulysses and hybrid hand their head shards to the backward, then k's head count
         for op, backward, names in ((ops.ulysses_attention, ops.ulysses_attention_backward, (name, world)),
                                     (ops.hybrid_attention, ops.hybrid_attention_backward, (*hybrid_names, world))):
@@ -32,14 +29,17 @@ def _opcheck_all(rank, world):
             torch.library.opcheck(op.default, (q, k, v, *config))
             out, lse, *heads = op(q, k, v, *config)
             torch.library.opcheck(backward.default, (torch.randn_like(out), *_detached(*heads), k.shape[1], *config))
-        for recompute_kv in (False, True):
+        # ring and all-gather keep the K and V they received, or with recompute_kv receive them again
+        for (op, backward), recompute_kv in itertools.product(
+                ((ops.ring_attention, ops.ring_attention_backward),
+                 (ops.allgather_attention, ops.allgather_attention_backward)), (False, True)):
             config = (name, SCALE, is_causal, layout)
             forward_args = (q, k, v, name, world, *config[1:], recompute_kv)
-            torch.library.opcheck(ops.allgather_attention.default, forward_args)
-            out, lse, k_all, v_all = ops.allgather_attention(*forward_args)
-            gathered = (None, None) if recompute_kv else (k_all, v_all)
-            torch.library.opcheck(ops.allgather_attention_backward.default,
-                                  (torch.randn_like(out), *_detached(q, k, v, out), lse, *gathered, *config))
+            torch.library.opcheck(op.default, forward_args)
+            out, lse, k_kept, v_kept = op(*forward_args)
+            kept = (None, None) if recompute_kv else (k_kept, v_kept)
+            torch.library.opcheck(backward.default, (torch.randn_like(out), *_detached(q, k, v, out), lse, *kept,
+                                                     *config))
     # packed documents (lengths 3, 1, 7, with a window): Ulysses and the hybrid keep their head
     # shards in buffers of a bound the shards' shape gives, and hand them to the backward
     cu_seqlens = torch.tensor([0, 3, 4, 11], dtype=torch.int32)

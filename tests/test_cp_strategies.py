@@ -25,15 +25,16 @@ HEADS = {  # (h_q, h_kv, d_qk, d_v)
 }
 # h_kv = 3 is no multiple of 4 (Ulysses) or 2 (hybrid's inner dim): each KV head travels as 4 or 2 copies
 UNEVEN_KV = {"gqa_12_3": (12, 3, 16, 16)}
-# "allgather_recompute": all-gather with recompute_kv=True (K and V gathered again in backward)
-STRATEGIES = {2: ("ring", "allgather", "allgather_recompute", "ulysses", "auto"),
+# "<strategy>_recompute": with recompute_kv=True (all-gather gathers K and V again in backward, a ring
+# of two ranks receives its halo again)
+STRATEGIES = {2: ("ring", "ring_recompute", "allgather", "allgather_recompute", "ulysses", "auto"),
               4: ("ring", "allgather", "allgather_recompute", "ulysses", "hybrid", "auto")}
 BACKEND = "attn_cp"
 
 
 def _attention(strategy, group, is_causal, layout):
-    recompute = strategy == "allgather_recompute"
-    strategy = "allgather" if recompute else strategy
+    recompute = strategy.endswith("_recompute")
+    strategy = strategy.removesuffix("_recompute")
     return lambda q, k, v: context_parallel_attention(q, k, v, group=group, strategy=strategy, is_causal=is_causal,
                                                       layout=layout, recompute_kv=recompute)
 
@@ -127,6 +128,34 @@ def _count_exchanges(rank, world):
 def test_ulysses_backward_exchanges_only_gradients():
     """The backward reuses the forward's head shards of q, k, v, out and lse."""
     run_distributed(_count_exchanges, 4)
+
+
+def _count_ring_transfers(rank, world):
+    from attn_compile.cp import ring
+    tags = []
+    pass_round = ring.pass_round
+    ring.pass_round = lambda tensors, group, tag, *args, **kwargs: (
+        tags.append(tag) or pass_round(tensors, group, tag, *args, **kwargs))
+    try:
+        for recompute_kv in (False, True):
+            torch.manual_seed(0)
+            q, k, v = (torch.randn(1, h, 8, d, requires_grad=True) for h, d in ((4, 24), (2, 24), (2, 16)))
+            out = context_parallel_attention(q, k, v, group=dist.group.WORLD, strategy="ring", is_causal=True,
+                                             recompute_kv=recompute_kv)
+            forward = tags.copy()
+            out.backward(torch.randn_like(out))
+            backward = tags[len(forward):]
+            # the forward sends K and V once; the backward sends them again only with recompute_kv
+            want = [ring.KV_TAG, ring.GRAD_TAG] if recompute_kv else [ring.GRAD_TAG]
+            assert (forward, backward) == ([ring.KV_TAG], want), (recompute_kv, forward, backward)
+            tags.clear()
+    finally:
+        ring.pass_round = pass_round
+
+
+def test_ring_of_two_ranks_keeps_its_halo_for_the_backward():
+    """The forward keeps the keys it received, so the backward sends only their gradients home."""
+    run_distributed(_count_ring_transfers, 2)
 
 
 def _exchange_order(rank, world):

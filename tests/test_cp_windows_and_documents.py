@@ -22,7 +22,8 @@ TOL = 1e-5
 SEQ = 48  # global: 8 zigzag chunks of 6 at world 4, so a window of 8 reaches into the neighbour chunk only
 WINDOWS = ((8, 0), (8, 8), (-1, -1))
 HEADS = (8, 2, 24, 16)  # (h_q, h_kv, d_qk, d_v): GQA and MLA at once
-STRATEGIES = {2: ("ring", "allgather", "ulysses"), 4: ("ring", "allgather", "ulysses", "hybrid")}
+# "ring_recompute": recompute_kv=True, with which a ring of two ranks receives its halo again in backward
+STRATEGIES = {2: ("ring", "ring_recompute", "allgather", "ulysses"), 4: ("ring", "allgather", "ulysses", "hybrid")}
 
 
 def _inputs(seed, batch, seq):
@@ -53,7 +54,8 @@ def _check_windows(rank, world):
         layout = ("zigzag", "contiguous")[seed % 2]
         q, k, v, dout = _inputs(seed, 2, SEQ)
         attention = lambda q, k, v: context_parallel_attention(  # noqa: E731
-            q, k, v, group=group, strategy=strategy, is_causal=is_causal, layout=layout, window=window)
+            q, k, v, group=group, strategy=strategy.removesuffix("_recompute"), is_causal=is_causal, layout=layout,
+            window=window, recompute_kv=strategy.endswith("_recompute"))
         if seed % 3 == 0:
             torch._dynamo.reset()
             attention = torch.compile(attention, backend="attn_cp", fullgraph=True)
@@ -103,7 +105,7 @@ def _check_documents(rank, world, strategies):
         q, k, v, dout = (x[0].transpose(0, 1) for x in _inputs(seed, 1, int(cu_seqlens[-1])))
         attention = lambda q, k, v: varlen_attention(  # noqa: E731
             q, k, v, cu_seqlens, cu_seqlens, longest, longest, is_causal=is_causal, window=window, group=group,
-            strategy=strategy, layout=layout)
+            strategy=strategy.removesuffix("_recompute"), layout=layout, recompute_kv=strategy.endswith("_recompute"))
         if seed % 4 == 0:
             torch._dynamo.reset()
             attention = torch.compile(attention, backend="attn_cp", fullgraph=True)

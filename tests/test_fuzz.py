@@ -131,7 +131,7 @@ def cp_cases(world: int, count: int, seed: int) -> list[dict]:
         h_kv = rng.choice([1, 2, 3])
         cases.append(dict(
             strategy=strategy, layout=rng.choice(["zigzag", "contiguous"]), is_causal=rng.random() < 0.5,
-            recompute_kv=strategy == "allgather" and rng.random() < 0.5,
+            recompute_kv=strategy in ("ring", "allgather") and rng.random() < 0.5,
             batch=rng.randint(1, 2), h_kv=h_kv, h_q=math.lcm(h_kv, head_split) * rng.randint(1, 2),
             d_qk=rng.choice([8, 16, 24]), d_v=rng.choice([8, 16, 24]), seq=2 * world * rng.randint(1, 4),
             scale=rng.choice([None, rng.uniform(0.05, 1.0)]), dtype=rng.choice(["float32", "float64"]),

@@ -318,7 +318,7 @@ attn_compile: 1 attention site(s), 1 rewritten, 0 left as is
   [0] test_placements.py:54: q(2, 8, 16, 24) k(2, 2, 16, 24) v(2, 2, 16, 16) -> attn_cp.attention [reference]
 distributed by placements (cost-model estimates, fwd + bwd):
   attention_default: q=(Shard(dim=2),), k=(Shard(dim=2),), v=(Shard(dim=2),) -> context parallel over mesh dim(s) [0]: allgather (the fastest forward: no gradient flows to q, k, v)
-      ring: 247.5 us (compute 0.001126 us, transfer 0.0502 us, memory 0.01465 MiB)
+      ring: 247.5 us (compute 0.001126 us, transfer 0.03346 us, memory 0.01465 MiB)
       allgather: 0.1266 us (compute 0.001126 us, transfer 0.1255 us, memory 0.04883 MiB)
       ulysses: 0.1584 us (compute 0.001126 us, transfer 0.1573 us, memory 0.009766 MiB)
       hybrid: hybrid needs a 2-D mesh""")

@@ -23,7 +23,7 @@ from .documents import ChunkSharding
 from .failures import failing_together
 from .grad_sum import GradSum
 from .merge import MergedResult
-from .registration import fake_grads, fake_result
+from .registration import fake_grads, fake_result, register_kept_kv
 from .tiles import attend_tiles, attend_tiles_backward, plan_calls
 
 
@@ -115,22 +115,4 @@ def _(dout, q, k, v, out, lse, k_all, v_all, group_name, scale, is_causal, layou
     return fake_grads(q, k, v)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, group_name, group_size, scale, is_causal, layout, recompute_kv, window_left, window_right, cu_seqlens, \
-        max_seqlen = inputs
-    out, lse, k_all, v_all = output
-    ctx.mark_non_differentiable(lse, k_all, v_all)
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, *(() if recompute_kv else (k_all, v_all)))
-    ctx.config = (group_name, scale, is_causal, layout, window_left, window_right)
-    ctx.max_seqlen = max_seqlen
-
-
-def _backward(ctx, dout, _dlse, _dk_all, _dv_all):
-    q, k, v, out, lse, cu_seqlens, *gathered = ctx.saved_tensors
-    k_all, v_all = gathered or (None, None)
-    dq, dk, dv = allgather_attention_backward(dout, q, k, v, out, lse, k_all, v_all, *ctx.config, cu_seqlens,
-                                              ctx.max_seqlen)
-    return dq, dk, dv, *[None] * 10
-
-
-allgather_attention.register_autograd(_backward, setup_context=_setup_context)
+register_kept_kv(allgather_attention, allgather_attention_backward)

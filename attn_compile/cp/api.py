@@ -36,7 +36,9 @@ def _run_strategy(q, k, v, strategy, group_names, scale, is_causal, layout, reco
         strategy = choose_strategy(q, k, v, groups, is_causal=is_causal, window=masking, layout=layout,
                                    cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
     if strategy == "ring":
-        return ops.ring_attention(q, k, v, group_names[0], scale, is_causal, layout, *masking, *documents)
+        out, lse, _, _ = ops.ring_attention(q, k, v, group_names[0], sizes[0], scale, is_causal, layout, recompute_kv,
+                                            *masking, *documents)
+        return out, lse
     if strategy == "allgather":
         recompute_kv = recompute_kv or cu_seqlens is not None
         out, lse, _, _ = ops.allgather_attention(q, k, v, group_names[0], sizes[0], scale, is_causal, layout,
@@ -105,7 +107,8 @@ def context_parallel_attention(q, k, v, *, group, strategy="auto", is_causal=Fal
     ``strategy="hybrid"``. ``strategy``: "ring", "allgather", "ulysses", "hybrid" or "auto" (the
     cost model's choice). ``window=(left, right)``: query i sees keys i-left..i+right (global
     positions; -1 unbounded), ANDed with ``is_causal``. ``recompute_kv``: allgather gathers K and V
-    again in backward instead of keeping them. Returns out (B, h_q, S_local, d_v) in the layout of
+    again in backward instead of keeping them, and a ring of two ranks receives the other rank's
+    again instead of keeping the rows it received. Returns out (B, h_q, S_local, d_v) in the layout of
     q, and with ``return_lse`` also the log-sum-exp (B, h_q, S_local), float32, which carries no
     gradient. A group of one rank runs the local op, with no collective.
 

@@ -1,8 +1,9 @@
 """What the context-parallel custom ops share: their fake outputs and their autograd wiring.
 
-Every strategy is a pair of ops in the ``attn_cp`` namespace. Ring (``register_strategy``):
-``<name>(q, k, v, *config) -> (out, lse)`` and ``<name>_backward(dout, q, k, v, out, lse,
-*config) -> (dq, dk, dv)``. Ulysses and hybrid (``register_head_exchange``) exchange heads
+Every strategy is a pair of ops in the ``attn_cp`` namespace. Ring and all-gather
+(``register_kept_kv``) return the K and V they received beside (out, lse), for their backward,
+which takes them, or None where ``recompute_kv`` kept nothing. Ulysses and hybrid
+(``register_head_exchange``) exchange heads
 for sequence: their op returns (out, lse, q_h, k_h, v_h, out_h, lse_h), the head shards it
 attended, and their backward takes ``(dout, q_h, k_h, v_h, out_h, lse_h, h_kv, *config)``, so
 nothing is exchanged twice (packed documents' head shards come in buffers of a bound their
@@ -24,13 +25,6 @@ def fake_grads(q, k, v) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def register_strategy(op, backward_op) -> None:
-    """The fakes and the autograd of a strategy's (out, lse) op and its backward op."""
-    op.register_fake(lambda q, k, v, *config: fake_result(q, v))
-    backward_op.register_fake(lambda dout, q, k, v, out, lse, *config: fake_grads(q, k, v))
-    _register_autograd(op, backward_op)
-
-
 def register_head_exchange(op, backward_op) -> None:
     """The backward's fake and the autograd of a strategy whose op also returns its head shards
     (the op registers its own fake: their shapes depend on its group size)."""
@@ -39,26 +33,44 @@ def register_head_exchange(op, backward_op) -> None:
         return (dout.new_empty((*dout.shape[:-1], q.shape[-1])), k.new_empty((batch, kv_heads, seq, k.shape[-1])),
                 v.new_empty((batch, kv_heads, seq, v.shape[-1])))
 
-    backward_op.register_fake(fake_backward)
-    _register_autograd(op, backward_op)
-
-
-def _register_autograd(op, backward_op) -> None:
     def setup_context(ctx, inputs, output):
         q, k, v, *config = inputs
         out, lse, *heads = output
         ctx.mark_non_differentiable(lse, *heads)
         ctx.tensor_slots = [i for i, item in enumerate(config) if isinstance(item, torch.Tensor)]  # cu_seqlens
-        saved = heads or (q, k, v, out, lse)
-        ctx.save_for_backward(*saved, *(config[i] for i in ctx.tensor_slots))
+        ctx.save_for_backward(*heads, *(config[i] for i in ctx.tensor_slots))
         ctx.config = [None if i in ctx.tensor_slots else item for i, item in enumerate(config)]
-        ctx.kv_heads = (k.shape[1],) if heads else ()
+        ctx.kv_heads = k.shape[1]
 
     def backward(ctx, dout, *_):
-        saved, tensors = ctx.saved_tensors[:5], ctx.saved_tensors[5:]
+        heads, tensors = ctx.saved_tensors[:5], ctx.saved_tensors[5:]
         config = ctx.config.copy()
         for i, tensor in zip(ctx.tensor_slots, tensors):
             config[i] = tensor
-        return (*backward_op(dout, *saved, *ctx.kv_heads, *config), *[None] * len(config))
+        return (*backward_op(dout, *heads, ctx.kv_heads, *config), *[None] * len(config))
+
+    backward_op.register_fake(fake_backward)
+    op.register_autograd(backward, setup_context=setup_context)
+
+
+def register_kept_kv(op, backward_op) -> None:
+    """The autograd of ``op(q, k, v, group_name, group_size, scale, is_causal, layout, recompute_kv,
+    window_left, window_right, cu_seqlens, max_seqlen) -> (out, lse, k_kept, v_kept)`` and
+    ``backward_op(dout, q, k, v, out, lse, k_kept, v_kept, group_name, scale, is_causal, layout,
+    window_left, window_right, cu_seqlens, max_seqlen) -> (dq, dk, dv)``: the kept K and V are saved
+    between the passes, unless ``recompute_kv``, and then the backward gets None for them."""
+    def setup_context(ctx, inputs, output):
+        q, k, v, group_name, _, scale, is_causal, layout, recompute_kv, window_left, window_right, cu_seqlens, \
+            max_seqlen = inputs
+        out, lse, k_kept, v_kept = output
+        ctx.mark_non_differentiable(lse, k_kept, v_kept)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, *(() if recompute_kv else (k_kept, v_kept)))
+        ctx.config = (group_name, scale, is_causal, layout, window_left, window_right)
+        ctx.max_seqlen = max_seqlen
+
+    def backward(ctx, dout, *_):
+        q, k, v, out, lse, cu_seqlens, *kept = ctx.saved_tensors
+        grads = backward_op(dout, q, k, v, out, lse, *(kept or (None, None)), *ctx.config, cu_seqlens, ctx.max_seqlen)
+        return *grads, *[None] * 10
 
     op.register_autograd(backward, setup_context=setup_context)

@@ -8,24 +8,28 @@ A sliding window may leave the ring's later steps with nothing to see on any ran
 stops after the last step some rank needs, so those blocks are neither computed nor sent. A ring
 of two steps (every ring of two ranks, and a window shorter than a shard on contiguous shards)
 moves each rank's keys one hop only: it sends just the rows the next rank sees (``halo``), and in
-the backward pass their dK and dV come straight home, while the second half of the rank's own
-step runs (``halo_backward``).
+the backward pass their dK and dV come straight home while the rank's own step runs
+(``halo_backward``). On a ring of two ranks the op keeps the halo it received for the backward,
+which then sends no keys and runs its own step as one call; ``recompute_kv`` sends them again
+instead, beside the first part of the own step, split in two for it.
 K and V keep their own head count and head dims: no repeat for GQA, no padding for MLA.
 """
 import functools
+import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from .checks import check_call, sharding_of
-from .comm import pass_round, resolve
+from .comm import pass_round, resolve, sized_group
 from .failures import failing_together, wait
 from .grad_sum import GradSum, most_parts
 from .layout import Chunk
 from .merge import MergedResult
-from .registration import register_strategy
+from .registration import fake_grads, fake_result, register_kept_kv
 from .tiles import Tile, attend_tiles, attend_tiles_backward, plan_calls, plan_tiles
+from .ulysses import head_rows_bound
 from .words import contiguous
 
 KV_TAG, GRAD_TAG = 0, 1
@@ -56,30 +60,51 @@ def halo(sharding, is_causal: bool, window: tuple, q_rank: int, kv_rank: int) ->
     return rows, plan_calls(sharding.chunks(q_rank), cut, is_causal, window)
 
 
-def _halo_exchange(tensors, group, tag, send_rows, receive_rows, shift=1, dtype=None):
+def _halo_exchange(tensors, group, tag, send_rows, receive_rows, shift=1, dtype=None, into=None):
     """Sends ``send_rows`` of each (B, H, S, D) tensor ``shift`` ranks on and receives
-    ``receive_rows`` of the like tensors (in ``dtype``, where the sender's differs) from as far back."""
-    received = [t.new_empty((*t.shape[:2], receive_rows.stop - receive_rows.start, t.shape[3]), dtype=dtype)
-                for t in tensors]
+    ``receive_rows`` of the like tensors (in ``dtype``, where the sender's differs) from as far back,
+    into ``into`` where given."""
+    received = into or [t.new_empty((*t.shape[:2], receive_rows.stop - receive_rows.start, t.shape[3]), dtype=dtype)
+                        for t in tensors]
     return pass_round([t[:, :, send_rows] for t in tensors], group, tag, shift, into=received)
 
 
-def _two_steps(k, v, group, is_causal, window, sharding):
-    """What both passes of a ring of two steps start with: (this rank's calls to its own keys, its
-    calls to the halo, the rows of its shard the next rank sees, (k, v) padded, the halo's (k, v)
-    once ``works`` are waited for, works)."""
+def kept_halo(k, v, group_size: int, recompute_kv: bool, layout: str, cu_seqlens):
+    """Buffers for the K and V rows a ring of two ranks receives, which the op keeps for its
+    backward, or None (with ``recompute_kv``, or on more ranks, whose K and V pass on). Halos differ
+    in length between ranks and an op's output shapes must not, so each buffer is flat, of one
+    shard's size (``head_rows_bound`` for one rank, on packed documents' uneven shards), and the
+    halo fills its start (``halo_views``)."""
+    if recompute_kv or group_size != 2:
+        return None
+    rows = head_rows_bound(k.shape[2], 0 if cu_seqlens is None else cu_seqlens.shape[0] - 1, 1, layout)
+    return tuple(x.new_empty(x.shape[0] * x.shape[1] * rows * x.shape[3]) for x in (k, v))
+
+
+def halo_views(kept, like, rows: slice) -> list:
+    """``rows`` of tensors shaped as ``like``'s, at the start of ``kept_halo``'s buffers."""
+    shapes = [(*x.shape[:2], rows.stop - rows.start, x.shape[3]) for x in like]
+    return [buffer[:math.prod(shape)].view(shape) for buffer, shape in zip(kept, shapes)]
+
+
+def _two_steps(group, is_causal, window, sharding):
+    """What both passes of a ring of two steps plan: (this rank's calls to its own keys, its calls
+    to the halo, the rows of its shard the next rank sees, the rows of the previous rank's it sees)."""
     rank, size = group.rank(), group.size()
     send_rows, _ = halo(sharding, is_causal, window, (rank + 1) % size, rank)
     receive_rows, halo_calls = halo(sharding, is_causal, window, rank, (rank - 1) % size)
-    k, v = sharding.pad(k, 2), sharding.pad(v, 2)
-    received, works = _halo_exchange((k, v), group, KV_TAG, send_rows, receive_rows)
-    return _calls(sharding, rank, rank, is_causal, window), halo_calls, send_rows, (k, v), received, works
+    return _calls(sharding, rank, rank, is_causal, window), halo_calls, send_rows, receive_rows
 
 
-def halo_forward(q, k, v, group, scale, is_causal, window, sharding):
+def halo_forward(q, k, v, group, scale, is_causal, window, sharding, kept=None):
     """The ring of two steps: the keys go one hop, so only the rows the next rank sees go (a
-    window's halo on contiguous shards)."""
-    own, halo_calls, _, (k, v), (k_halo, v_halo), works = _two_steps(k, v, group, is_causal, window, sharding)
+    window's halo on contiguous shards); they are received into ``kept`` (``kept_halo``) where given."""
+    own, halo_calls, send_rows, receive_rows = _two_steps(group, is_causal, window, sharding)
+    k, v = sharding.pad(k, 2), sharding.pad(v, 2)
+    into = kept and halo_views(kept, (k, v), receive_rows)
+    for buffer, view in zip(kept or (), into or ()):
+        buffer[view.numel():].zero_()  # never read, but an op's outputs are deterministic
+    (k_halo, v_halo), works = _halo_exchange((k, v), group, KV_TAG, send_rows, receive_rows, into=into)
     result = MergedResult(q, v, [call.q_rows for call in (*own, *halo_calls)])
     attend_tiles(q, k, v, own, scale, result)
     wait(works, group)
@@ -105,15 +130,22 @@ def _split_own(calls) -> tuple[tuple, tuple]:
     return calls[:1], calls[1:]
 
 
-def halo_backward(dout, q, k, v, out, lse, group, scale, is_causal, window, sharding):
-    """``halo_forward``'s gradients. The halo's step runs between two parts of this rank's own
-    (``_split_own``), so that both transfers run beside a kernel. The halo's dK and dV go straight
-    home in k's dtype where each of their rows is one call's (exactly the kernel's output), else in
-    float32, and every row's parts sum in float32, rounded once (``GradSum``)."""
+def halo_backward(dout, q, k, v, out, lse, group, scale, is_causal, window, sharding, kept=None):
+    """``halo_forward``'s gradients. With the halo ``kept``, its step runs first and this rank's own
+    step after it, as one call, while the halo's dK and dV go home. Without, the halo's keys come
+    again, and its step runs between two parts of this rank's own (``_split_own``), so that both
+    transfers run beside a kernel. The halo's dK and dV go home in k's dtype where each of their
+    rows is one call's (exactly the kernel's output), else in float32, and every row's parts sum in
+    float32, rounded once (``GradSum``)."""
     rank, size, own_k, own_v = group.rank(), group.size(), k, v
-    own, halo_calls, send_rows, (k, v), (k_halo, v_halo), works = _two_steps(k, v, group, is_causal, window,
-                                                                              sharding)
-    before, after = _split_own(own)
+    own, halo_calls, send_rows, receive_rows = _two_steps(group, is_causal, window, sharding)
+    k, v = sharding.pad(k, 2), sharding.pad(v, 2)
+    if kept:
+        (k_halo, v_halo), works = halo_views(kept, (k, v), receive_rows), []
+        before, after = (), own
+    else:
+        (k_halo, v_halo), works = _halo_exchange((k, v), group, KV_TAG, send_rows, receive_rows)
+        before, after = _split_own(own)
     dq = GradSum(q, [call.q_rows for call in (*before, *halo_calls, *after)])
     dk, dv = (GradSum(x, [*(call.k_rows for call in (*before, *after)), send_rows]) for x in (own_k, own_v))
     sent_exact, received_exact = (halo_grads_exact(sharding, is_causal, window, q_rank, (q_rank - 1) % size)
@@ -132,11 +164,14 @@ def halo_backward(dout, q, k, v, out, lse, group, scale, is_causal, window, shar
     return dq.result(), dk.result(), dv.result()
 
 
-def ring_forward(q, k, v, group, scale, is_causal, window, sharding):
+def ring_forward(q, k, v, group, scale, is_causal, window, sharding, kept=None):
+    """(out, lse); a ring of two steps receives its halo into ``kept`` (``kept_halo``) where given."""
     rank, size = group.rank(), group.size()
     steps = ring_steps(sharding, is_causal, window)
     if steps == 2:
-        return halo_forward(q, k, v, group, scale, is_causal, window, sharding)
+        return halo_forward(q, k, v, group, scale, is_causal, window, sharding, kept)
+    for buffer in kept or ():  # a ring of two ranks that takes one step receives no halo
+        buffer.zero_()
     k, v = sharding.pad(k, 2), sharding.pad(v, 2)
     calls = [_calls(sharding, rank, (rank - step) % size, is_causal, window) for step in range(steps)]
     result = MergedResult(q, v, [call.q_rows for step_calls in calls for call in step_calls])
@@ -150,11 +185,12 @@ def ring_forward(q, k, v, group, scale, is_causal, window, sharding):
     return result.out, result.lse
 
 
-def ring_backward(dout, q, k, v, out, lse, group, scale, is_causal, window, sharding):
+def ring_backward(dout, q, k, v, out, lse, group, scale, is_causal, window, sharding, kept=None):
+    """(dq, dk, dv); ``kept``: the halo ``ring_forward`` kept, or None."""
     rank, size, k_len = group.rank(), group.size(), k.shape[2]
     steps = ring_steps(sharding, is_causal, window)
     if steps == 2:
-        return halo_backward(dout, q, k, v, out, lse, group, scale, is_causal, window, sharding)
+        return halo_backward(dout, q, k, v, out, lse, group, scale, is_causal, window, sharding, kept)
     k, v = sharding.pad(k, 2), sharding.pad(v, 2)
     calls = [_calls(sharding, rank, (rank - step) % size, is_causal, window) for step in range(steps)]
     dq = GradSum(q, [call.q_rows for step_calls in calls for call in step_calls])
@@ -181,26 +217,47 @@ def ring_backward(dout, q, k, v, out, lse, group, scale, is_causal, window, shar
 
 
 @torch.library.custom_op("attn_cp::ring_attention", mutates_args=())
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, group_name: str, scale: float, is_causal: bool, layout: str,
-                   window_left: int = -1, window_right: int = -1, cu_seqlens: Optional[Tensor] = None,
-                   max_seqlen: int = 0) -> tuple[Tensor, Tensor]:
-    (group,) = groups = resolve([group_name])
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, group_name: str, group_size: int, scale: float, is_causal: bool,
+                   layout: str, recompute_kv: bool, window_left: int = -1, window_right: int = -1,
+                   cu_seqlens: Optional[Tensor] = None, max_seqlen: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Returns (out, lse, k_halo, v_halo): ``kept_halo``'s buffers, holding the K and V rows a ring
+    of two ranks received, or empty tensors (``recompute_kv``, or more ranks)."""
+    (group,) = groups = (sized_group(group_name, group_size),)
     window = (window_left, window_right)
     sharding = check_call(q, k, v, groups, strategy="ring", scale=scale, is_causal=is_causal, layout=layout,
-                          window=window, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+                          window=window, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, recompute_kv=recompute_kv)
+    kept = kept_halo(k, v, group_size, recompute_kv, layout, cu_seqlens)
     with failing_together("attn_cp::ring_attention"):
-        return ring_forward(q, k, v, group, scale, is_causal, window, sharding)
+        out, lse = ring_forward(q, k, v, group, scale, is_causal, window, sharding, kept)
+    return out, lse, *(kept or (k.new_empty(0), v.new_empty(0)))
+
+
+@ring_attention.register_fake
+def _(q, k, v, group_name, group_size, scale, is_causal, layout, recompute_kv, window_left=-1, window_right=-1,
+      cu_seqlens=None, max_seqlen=0):
+    return *fake_result(q, v), *(kept_halo(k, v, group_size, recompute_kv, layout, cu_seqlens)
+                                 or (k.new_empty(0), v.new_empty(0)))
 
 
 @torch.library.custom_op("attn_cp::ring_attention_backward", mutates_args=())
 def ring_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                            group_name: str, scale: float, is_causal: bool, layout: str, window_left: int = -1,
-                            window_right: int = -1, cu_seqlens: Optional[Tensor] = None, max_seqlen: int = 0
+                            k_halo: Optional[Tensor], v_halo: Optional[Tensor], group_name: str, scale: float,
+                            is_causal: bool, layout: str, window_left: int = -1, window_right: int = -1,
+                            cu_seqlens: Optional[Tensor] = None, max_seqlen: int = 0
                             ) -> tuple[Tensor, Tensor, Tensor]:
+    """``k_halo`` and ``v_halo``: what the forward op kept, or None to receive the halo again."""
     (group,) = groups = resolve([group_name])
+    kept = (k_halo, v_halo) if k_halo is not None and group.size() == 2 else None
     with failing_together("attn_cp::ring_attention_backward"):
         sharding = sharding_of(q, groups, layout, cu_seqlens)
-        return ring_backward(dout, q, k, v, out, lse, group, scale, is_causal, (window_left, window_right), sharding)
+        return ring_backward(dout, q, k, v, out, lse, group, scale, is_causal, (window_left, window_right), sharding,
+                             kept)
 
 
-register_strategy(ring_attention, ring_attention_backward)
+@ring_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, k_halo, v_halo, group_name, scale, is_causal, layout, window_left=-1, window_right=-1,
+      cu_seqlens=None, max_seqlen=0):
+    return fake_grads(q, k, v)
+
+
+register_kept_kv(ring_attention, ring_attention_backward)
