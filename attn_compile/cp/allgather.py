@@ -23,7 +23,7 @@ from .documents import ChunkSharding
 from .failures import failing_together
 from .grad_sum import GradSum
 from .merge import MergedResult
-from .registration import fake_grads, fake_result, register_kept_kv
+from .registration import fake_result, register_kept_kv
 from .tiles import attend_tiles, attend_tiles_backward, plan_calls
 
 
@@ -107,12 +107,6 @@ def allgather_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, 
         sharding = sharding_of(q, groups, layout, cu_seqlens)
         return allgather_backward(dout, q, k, v, out, lse, k_all, v_all, group, scale, is_causal,
                                   (window_left, window_right), sharding)
-
-
-@allgather_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, k_all, v_all, group_name, scale, is_causal, layout, window_left=-1, window_right=-1,
-      cu_seqlens=None, max_seqlen=0):
-    return fake_grads(q, k, v)
 
 
 register_kept_kv(allgather_attention, allgather_attention_backward)

@@ -54,8 +54,9 @@ def register_head_exchange(op, backward_op) -> None:
 
 
 def register_kept_kv(op, backward_op) -> None:
-    """The autograd of ``op(q, k, v, group_name, group_size, scale, is_causal, layout, recompute_kv,
-    window_left, window_right, cu_seqlens, max_seqlen) -> (out, lse, k_kept, v_kept)`` and
+    """The backward's fake and the autograd of ``op(q, k, v, group_name, group_size, scale, is_causal,
+    layout, recompute_kv, window_left, window_right, cu_seqlens, max_seqlen) -> (out, lse, k_kept,
+    v_kept)`` and
     ``backward_op(dout, q, k, v, out, lse, k_kept, v_kept, group_name, scale, is_causal, layout,
     window_left, window_right, cu_seqlens, max_seqlen) -> (dq, dk, dv)``: the kept K and V are saved
     between the passes, unless ``recompute_kv``, and then the backward gets None for them."""
@@ -73,4 +74,5 @@ def register_kept_kv(op, backward_op) -> None:
         grads = backward_op(dout, q, k, v, out, lse, *(kept or (None, None)), *ctx.config, cu_seqlens, ctx.max_seqlen)
         return *grads, *[None] * 10
 
+    backward_op.register_fake(lambda dout, q, k, v, *rest: fake_grads(q, k, v))
     op.register_autograd(backward, setup_context=setup_context)

@@ -27,7 +27,7 @@ from .failures import failing_together, wait
 from .grad_sum import GradSum, most_parts
 from .layout import Chunk
 from .merge import MergedResult
-from .registration import fake_grads, fake_result, register_kept_kv
+from .registration import fake_result, register_kept_kv
 from .tiles import Tile, attend_tiles, attend_tiles_backward, plan_calls, plan_tiles
 from .ulysses import head_rows_bound
 from .words import contiguous
@@ -252,12 +252,6 @@ def ring_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
         sharding = sharding_of(q, groups, layout, cu_seqlens)
         return ring_backward(dout, q, k, v, out, lse, group, scale, is_causal, (window_left, window_right), sharding,
                              kept)
-
-
-@ring_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, k_halo, v_halo, group_name, scale, is_causal, layout, window_left=-1, window_right=-1,
-      cu_seqlens=None, max_seqlen=0):
-    return fake_grads(q, k, v)
 
 
 register_kept_kv(ring_attention, ring_attention_backward)
