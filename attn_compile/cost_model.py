@@ -316,9 +316,9 @@ def choose(p: Problem, hw: Hardware = Hardware(), strategy: str = "auto") -> tup
     other strategies (BENCHMARKS.md). The exception is the contiguous layout where the ring has
     two steps: under a sliding window, or on two ranks. A rank then needs the rows of the rank
     before it that its queries see, the ring sends just those (a window's rows, or the part of
-    the document that spans both ranks) and attends the rest locally: on 2 H200s, 0.926 / 0.905
-    of one GPU with a window and 0.902 / 0.880 without, against Ulysses' 0.600 / 0.739 and
-    0.754 / 0.823. On more ranks without a window the ring has two steps only where no document
+    the document that spans both ranks) and attends the rest locally: on 2 H200s, 0.917 / 0.888
+    of one GPU with a window and 0.850 / 0.876 without, against Ulysses' 0.606 / 0.743 and
+    0.751 / 0.815. On more ranks without a window the ring has two steps only where no document
     spans more than two ranks' pieces, which the ranks cannot tell alike from their shards (whose
     token counts differ by one), so Ulysses stays the choice there. Where no backward follows
     (``p.backward`` false), the fastest forward is chosen."""

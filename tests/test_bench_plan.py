@@ -54,10 +54,9 @@ def test_bad_arguments_are_named(capsys, argv, message):
 
 def test_validation_prints_the_model_error_against_measured_tables(capsys):
     """fwd+bwd, then the forward alone (the choice where no gradient is needed). The summary
-    bounds how far the model's pick falls short of the measured fastest: fwd+bwd, the ring on 2
-    GPUs where Ulysses measured up to 0.5% faster (GQA at 64K and 128K, MLA at 128K: strategies
-    within 1% of each other); the forward alone, the fastest in every shape, though the model puts
-    the all-gather's forward 17-28% too slow for MLA on 4 GPUs."""
+    bounds how far the model's pick falls short of the measured fastest: in both, the fastest in
+    every shape (the ring on 2 GPUs, Ulysses on 4), though the model puts the all-gather's MLA
+    forward 8-28% too slow and its MLA fwd+bwd up to 11% too slow."""
     fwd_bwd, forward = (part.splitlines() for part in _plan(capsys, "--validate").strip().split("\n\n"))
     assert fwd_bwd[0].startswith("validation: the cost model's fwd+bwd TFLOP/s")
     assert forward[0].startswith("validation: the cost model's forward alone TFLOP/s")
@@ -71,7 +70,7 @@ def test_validation_prints_the_model_error_against_measured_tables(capsys):
         assert summary, out[-1]
         summaries.append((float(summary[1]), int(summary[2]), float(summary[3])))
     (fb_error, fb_agreed, fb_worst), (f_error, f_agreed, f_worst) = summaries
-    assert fb_error < 2.5 and fb_agreed >= 5 and fb_worst >= 0.99
+    assert fb_error < 3.0 and fb_agreed == 8 and fb_worst == 1.0
     assert f_error < 5.0 and f_agreed == 8 and f_worst == 1.0
 
 
