@@ -158,6 +158,33 @@ def test_ring_of_two_ranks_keeps_its_halo_for_the_backward():
     run_distributed(_count_ring_transfers, 2)
 
 
+def _ring_frames_per_length(rank, world, lengths):
+    counter = torch._dynamo.testing.CompileCounterWithBackend(BACKEND)
+    torch._dynamo.reset()
+    compiled = torch.compile(_attention("ring", dist.group.WORLD, True, "zigzag"), backend=counter, fullgraph=True)
+    frames = []
+    for seq in lengths:
+        torch.manual_seed(seq)  # the same global inputs on every rank
+        q, k, v = (torch.randn(1, h, seq, d) for h, d in ((4, 24), (2, 24), (2, 16)))
+        local = [shard_sequence(x, dist.group.WORLD).requires_grad_() for x in (q, k, v)]
+        out = compiled(*local)
+        dout = torch.randn(1, 4, seq, 16)
+        grads = torch.autograd.grad(out, local, shard_sequence(dout, dist.group.WORLD))
+        got = [unshard_sequence(x.detach(), dist.group.WORLD) for x in (out, *grads)]
+        q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
+        want = naive_attention(q64, k64, v64, is_causal=True)
+        oracle = [want, *torch.autograd.grad(want, (q64, k64, v64), dout.double())]
+        assert max(rel_err(g, o) for g, o in zip(got, oracle)) <= TOL, seq
+        frames.append(counter.frame_count)
+    assert frames == [1, 2, 2], f"compiled frames after each of the lengths {lengths}: {frames}"
+
+
+def test_kept_halo_takes_a_new_sequence_length_without_recompiling():
+    """The kept halo's buffers are shaped from the shards' symbolic sizes: the second length
+    compiles once more, as dynamic, and the third reuses that graph."""
+    run_distributed(_ring_frames_per_length, 2, (16, 24, 40))
+
+
 def _exchange_order(rank, world):
     """The order in which Ulysses makes each tensor ready to send (m), posts its all-to-all (p),
     waits for it (w) and copies the head shards it keeps (k)."""
