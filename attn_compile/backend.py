@@ -21,6 +21,7 @@ DEFAULT_OPTIONS = {
     "seq_dim": 2,  # where the sequence is in SDPA's (B, H, S, D) operands
     "layout": "zigzag",  # of those shards (see attn_compile.shard_sequence)
     "strategy": "auto",  # context-parallel strategy, for DTensor or mesh shards alike
+    "recompute_kv": False,  # the ring and all-gather receive K and V again in backward instead of keeping them
     "hardware": cost_model.Hardware(),  # what the cost model assumes
     "strict": False,  # re-raise an unexpected error in the passes instead of compiling the graph unchanged
 }
@@ -38,6 +39,7 @@ def parse_options(options) -> dict:
         "layout": (merged["layout"] in LAYOUTS, f"one of {LAYOUTS}"),
         "strategy": (merged["strategy"] in (*cost_model.STRATEGIES, "auto"),
                      f"one of {(*cost_model.STRATEGIES, 'auto')}"),
+        "recompute_kv": (isinstance(merged["recompute_kv"], bool), "True or False"),
         "hardware": (isinstance(merged["hardware"], cost_model.Hardware), "an attn_compile.cost_model.Hardware"),
         "strict": (isinstance(merged["strict"], bool), "True or False"),
     }
@@ -83,7 +85,7 @@ def _compile_unchanged(gm, example_inputs, opts, mode, failed: str):
 def _warn_ineffective(given, opts, mode, cuda_graphs: bool, sites, distributed, example_inputs) -> None:
     """Name the options that do nothing for this graph, so a user does not believe them in force."""
     if sites and not distributed:
-        for name in ("strategy", "hardware"):
+        for name in ("strategy", "recompute_kv", "hardware"):
             if name in given:
                 warnings.warn(f"attn_compile: options[{name!r}] has no effect: it steers distributed attention, and "
                               f"no attention of this graph is distributed (no options['mesh'], no DTensor q, k, v)",
@@ -106,7 +108,8 @@ def attn_cp(gm, example_inputs, *, mode=None, options=None):
         cuda_graphs = mode is not None and torch._inductor.list_mode_options(mode).get("triton.cudagraphs", False)
         sites = rewrite_attention(candidate, cuda_graphs=cuda_graphs)
         distributed = distribute_attention(candidate, sites, mesh=opts["mesh"], layout=opts["layout"],
-                                           strategy=opts["strategy"], hardware=opts["hardware"])
+                                           strategy=opts["strategy"], recompute_kv=opts["recompute_kv"],
+                                           hardware=opts["hardware"])
     except (PassFailure, MaskNotDistributed) as failure:
         if not _may_compile_unchanged(opts):
             raise

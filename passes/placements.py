@@ -120,14 +120,18 @@ def _replace(graph, node: Node, make) -> None:
     graph.erase_node(node)
 
 
-def _context_parallel(graph, a, q, k, v, strategy, group_names, scale, layout) -> Node:
+def _recompute_kwargs(recompute_kv: bool) -> dict:
+    return {"recompute_kv": True} if recompute_kv else {}
+
+
+def _context_parallel(graph, a, q, k, v, strategy, group_names, scale, layout, recompute_kv) -> Node:
     """The context-parallel op on q, k, v with the site's mask."""
     fused = graph.call_function(CONTEXT_PARALLEL, (q, k, v, strategy, list(group_names), scale, a["is_causal"], layout),
-                                _window_kwargs(a))
+                                {**_window_kwargs(a), **_recompute_kwargs(recompute_kv)})
     return graph.call_function(operator.getitem, (fused, 0))
 
 
-def _distribute_dtensor(graph, node, a, strategy, hardware) -> Distributed:
+def _distribute_dtensor(graph, node, a, strategy, recompute_kv, hardware) -> Distributed:
     q, k, v = (example_tensor(a[name]) for name in ("q", "k", "v"))
     _check_positional_masking(node, a, "DTensor q, k, v")
     p = plan(q, k, v, is_causal=a["is_causal"], window=_window(a), strategy=strategy, hardware=hardware)
@@ -150,7 +154,7 @@ def _distribute_dtensor(graph, node, a, strategy, hardware) -> Distributed:
         if p.cp_dims:
             names = [mesh.get_group(d).group_name for d in p.cp_dims]
             out = _context_parallel(graph, a, local["q"], local["k"], local["v"], p.strategy, names, scale,
-                                    "contiguous")
+                                    "contiguous", recompute_kv)
         else:
             q_offset = 0
             if p.q_seq_dim is not None:
@@ -198,7 +202,7 @@ def _checked_at_run_time(a: dict, names: list, layout: str, checked: set) -> tup
     return a, notes
 
 
-def _distribute_shards(graph, node, a, groups, layout, strategy, hardware, checked: set) -> Distributed:
+def _distribute_shards(graph, node, a, groups, layout, strategy, recompute_kv, hardware, checked: set) -> Distributed:
     """``checked``: the tensors whose check is in the graph already."""
     names = [g.group_name for g in groups]
     dropped = [a["document_ids"], a["key_padding_mask"]]
@@ -213,13 +217,13 @@ def _distribute_shards(graph, node, a, groups, layout, strategy, hardware, check
     if cost_model.chooses_forward_alone(problem, strategy):
         notes.append(cost_model.FORWARD_ALONE)
     _replace(graph, node, lambda: _context_parallel(graph, a, a["q"], a["k"], a["v"], best, names,
-                                                    _scale(a, q), layout))
+                                                    _scale(a, q), layout, recompute_kv))
     erase_unused(dropped)
     return Distributed(node.name, f"sequence shards ({layout}) on a mesh of {problem.mesh_shape}",
                        "; ".join([f"context parallel: {best}", *notes]), table)
 
 
-def _distribute_varlen(graph, node, groups, layout, strategy) -> Distributed:
+def _distribute_varlen(graph, node, groups, layout, strategy, recompute_kv) -> Distributed:
     """The packed-document op on this rank's tokens as the context-parallel op over (1, H, T_local, D)."""
     a = normalize_function(VARLEN, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
     problems = []
@@ -241,7 +245,8 @@ def _distribute_varlen(graph, node, groups, layout, strategy) -> Distributed:
         batched = [graph.call_method("transpose", (graph.call_method("unsqueeze", (a[name], 0)), 1, 2))
                    for name in ("q", "k", "v")]
         fused = graph.call_function(CONTEXT_PARALLEL, (*batched, strategy, names, a["scale"], a["is_causal"], layout),
-                                    {**window, "cu_seqlens": a["cu_seqlens_q"], "max_seqlen": a["max_seqlen_q"]})
+                                    {**window, **_recompute_kwargs(recompute_kv), "cu_seqlens": a["cu_seqlens_q"],
+                                     "max_seqlen": a["max_seqlen_q"]})
         for index, user in outputs.items():  # (1, H, T_local, ...) back to (T_local, H, ...)
             result = graph.call_function(operator.getitem, (fused, index))
             result = graph.call_method("transpose", (graph.call_function(operator.getitem, (result, 0)), 0, 1))
@@ -286,10 +291,10 @@ def _not_distributed(gm: GraphModule, sites: list[Site]):
 
 
 def distribute_attention(gm: GraphModule, sites: list[Site], *, mesh=None, layout="zigzag", strategy="auto",
-                         hardware=cost_model.Hardware()) -> list[Distributed]:
+                         recompute_kv=False, hardware=cost_model.Hardware()) -> list[Distributed]:
     """Rewrite in place every attention op of ``gm`` (and of its checkpoints' bodies) whose inputs
     are sharded; ``sites`` are the attention passes' reports, checked for sites left as they were
-    when ``mesh`` is given."""
+    when ``mesh`` is given. ``recompute_kv`` goes to every context-parallel op."""
     if mesh is not None:
         local = _not_distributed(gm, sites)
         if local:
@@ -302,13 +307,13 @@ def distribute_attention(gm: GraphModule, sites: list[Site], *, mesh=None, layou
             for node in list(module.graph.find_nodes(op="call_function", target=ATTENTION)):
                 a = normalize_function(ATTENTION, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
                 if _is_dtensor(example_tensor(a["q"])):
-                    done.append(_distribute_dtensor(module.graph, node, a, strategy, hardware))
+                    done.append(_distribute_dtensor(module.graph, node, a, strategy, recompute_kv, hardware))
                 elif groups is not None:
-                    done.append(_distribute_shards(module.graph, node, a, groups, layout, strategy, hardware,
-                                                   checked))
+                    done.append(_distribute_shards(module.graph, node, a, groups, layout, strategy, recompute_kv,
+                                                   hardware, checked))
             if groups is not None:
                 for node in list(module.graph.find_nodes(op="call_function", target=VARLEN)):
-                    done.append(_distribute_varlen(module.graph, node, groups, layout, strategy))
+                    done.append(_distribute_varlen(module.graph, node, groups, layout, strategy, recompute_kv))
         drop_unused_inputs(checkpoints)
     recompile(gm)
     return done

@@ -68,7 +68,8 @@ def test_inner_compilers(inner):
 
 def test_unknown_option_lists_valid_ones():
     with pytest.raises(ValueError, match=r"^unknown attn_cp option\(s\) \['inerr'\]; valid options: \['hardware', "
-                                         r"'inner', 'layout', 'mesh', 'seq_dim', 'strategy', 'strict'\]$"):
+                                         r"'inner', 'layout', 'mesh', 'recompute_kv', 'seq_dim', 'strategy', "
+                                         r"'strict'\]$"):
         backend.parse_options({"inerr": "eager"})
 
 
@@ -83,6 +84,7 @@ def test_bad_inner_compiler():
     ("layout", "striped", "one of ('zigzag', 'contiguous')"),
     ("strategy", "p2p", "one of ('ring', 'allgather', 'ulysses', 'hybrid', 'auto')"),
     ("hardware", {"link_gbps": 100}, "an attn_compile.cost_model.Hardware"),
+    ("recompute_kv", 1, "True or False"),
 ])
 def test_bad_option_values(key, value, expected):
     with pytest.raises(ValueError, match=f"^{re.escape(f'options[{key!r}] must be {expected}; got {value!r}')}$"):
@@ -176,6 +178,9 @@ def _ineffective_warnings(recwarn) -> list[str]:
     ({"hardware": backend.cost_model.Hardware()},
      ["attn_compile: options['hardware'] has no effect: it steers distributed attention, and no attention of this "
       "graph is distributed (no options['mesh'], no DTensor q, k, v)"]),
+    ({"recompute_kv": True},
+     ["attn_compile: options['recompute_kv'] has no effect: it steers distributed attention, and no attention of "
+      "this graph is distributed (no options['mesh'], no DTensor q, k, v)"]),
     ({"layout": "contiguous"}, ["attn_compile: options['layout'] has no effect without options['mesh']: it is the "
                                 "layout of the mesh's sequence shards (DTensor shards are contiguous)"]),
     ({"inner": "eager"}, []),

@@ -130,6 +130,18 @@ def test_ulysses_backward_exchanges_only_gradients():
     run_distributed(_count_exchanges, 4)
 
 
+def _ring_attention(recompute_kv, compiled):
+    """The ring on sequence shards: called eagerly, or SDPA compiled with the world group as options['mesh']."""
+    if not compiled:
+        return lambda q, k, v: context_parallel_attention(q, k, v, group=dist.group.WORLD, strategy="ring",
+                                                          is_causal=True, recompute_kv=recompute_kv)
+    torch._dynamo.reset()
+    options = {"mesh": dist.group.WORLD, "strategy": "ring", "recompute_kv": recompute_kv, "inner": "aot_eager"}
+    return torch.compile(lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                                          enable_gqa=True),
+                         backend=BACKEND, options=options, fullgraph=True)
+
+
 def _count_ring_transfers(rank, world):
     from attn_compile.cp import ring
     tags = []
@@ -137,24 +149,24 @@ def _count_ring_transfers(rank, world):
     ring.pass_round = lambda tensors, group, tag, *args, **kwargs: (
         tags.append(tag) or pass_round(tensors, group, tag, *args, **kwargs))
     try:
-        for recompute_kv in (False, True):
+        for recompute_kv, compiled in itertools.product((False, True), (False, True)):
             torch.manual_seed(0)
             q, k, v = (torch.randn(1, h, 8, d, requires_grad=True) for h, d in ((4, 24), (2, 24), (2, 16)))
-            out = context_parallel_attention(q, k, v, group=dist.group.WORLD, strategy="ring", is_causal=True,
-                                             recompute_kv=recompute_kv)
+            out = _ring_attention(recompute_kv, compiled)(q, k, v)
             forward = tags.copy()
             out.backward(torch.randn_like(out))
             backward = tags[len(forward):]
             # the forward sends K and V once; the backward sends them again only with recompute_kv
             want = [ring.KV_TAG, ring.GRAD_TAG] if recompute_kv else [ring.GRAD_TAG]
-            assert (forward, backward) == ([ring.KV_TAG], want), (recompute_kv, forward, backward)
+            assert (forward, backward) == ([ring.KV_TAG], want), (recompute_kv, compiled, forward, backward)
             tags.clear()
     finally:
         ring.pass_round = pass_round
 
 
 def test_ring_of_two_ranks_keeps_its_halo_for_the_backward():
-    """The forward keeps the keys it received, so the backward sends only their gradients home."""
+    """The forward keeps the keys it received, so the backward sends only their gradients home;
+    ``recompute_kv`` (the argument, or the backend's option) sends them again."""
     run_distributed(_count_ring_transfers, 2)
 
 
