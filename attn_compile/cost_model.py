@@ -76,6 +76,13 @@ class Hardware:
         return self.internode_gbps if self.spans_nodes(ranks, stride) else self.link_gbps
 
 
+def halo_reach(layout: str, is_causal: bool, window: tuple) -> Optional[int]:
+    """How far, in rows, a query sees past its own contiguous shard: a sliding window's farther
+    side, or None where the layout is zigzag or the mask unbounded on a side."""
+    reach = effective_window(is_causal, tuple(window))
+    return None if layout != "contiguous" or UNBOUNDED in reach else max(reach)
+
+
 def traced_int(size) -> int:
     """A size, or a symbolic one at the value it was traced with: reading that adds no guard."""
     return size if isinstance(size, int) else size.node.hint
@@ -130,10 +137,7 @@ class Problem:
         return min(s, (s if left == UNBOUNDED else left) + (s if right == UNBOUNDED else right) + 1)
 
     def halo_reach(self) -> Optional[int]:
-        """How far, in rows, a query sees past its own contiguous shard: a sliding window's
-        farther side, or None where the layout is zigzag or the mask unbounded on a side."""
-        reach = effective_window(self.is_causal, self.window)
-        return None if self.layout != "contiguous" or UNBOUNDED in reach else max(reach)
+        return halo_reach(self.layout, self.is_causal, self.window)
 
     def ring_transfers(self, ranks: int) -> int:
         """Ring steps that move K and V: all but the first, unless a window on contiguous shards

@@ -170,6 +170,26 @@ def test_ring_of_two_ranks_keeps_its_halo_for_the_backward():
     run_distributed(_count_ring_transfers, 2)
 
 
+@pytest.mark.parametrize("layout, is_causal, window, cu_seqlens, rows", [
+    ("zigzag", True, (-1, -1), None, 16),  # a shard
+    ("zigzag", True, (3, 0), None, 16),  # zigzag chunks: the window may reach a whole shard's rows
+    ("contiguous", True, (-1, -1), None, 16),
+    ("contiguous", True, (3, 0), None, 3),  # the window's reach
+    ("contiguous", False, (3, 5), None, 5),  # its farther side
+    ("contiguous", True, (3, 5), None, 3),  # causal: nothing to the right
+    ("contiguous", True, (30, 0), None, 16),  # never more than a shard
+    ("zigzag", True, (-1, -1), torch.tensor([0, 5, 9, 32]), 16 + 2 * 3),  # documents: the other shard may be longer
+    ("contiguous", True, (-1, -1), torch.tensor([0, 5, 9, 32]), 16 + 3),
+])
+def test_kept_halo_holds_the_most_rows_a_halo_can_have(layout, is_causal, window, cu_seqlens, rows):
+    from attn_compile.cp.ring import kept_halo
+    k, v = torch.randn(2, 2, 16, 24), torch.randn(2, 2, 16, 8)
+    kept = kept_halo(k, v, 2, False, layout, cu_seqlens, is_causal, window)
+    assert [x.shape for x in kept] == [(2 * 2 * rows * 24,), (2 * 2 * rows * 8,)]
+    assert kept_halo(k, v, 2, True, layout, cu_seqlens, is_causal, window) is None  # recompute_kv
+    assert kept_halo(k, v, 4, False, layout, cu_seqlens, is_causal, window) is None  # the keys pass on
+
+
 def _ring_frames_per_length(rank, world, lengths):
     counter = torch._dynamo.testing.CompileCounterWithBackend(BACKEND)
     torch._dynamo.reset()

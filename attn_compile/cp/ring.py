@@ -21,6 +21,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from attn_compile.cost_model import halo_reach
+
 from .checks import check_call, sharding_of
 from .comm import pass_round, resolve, sized_group
 from .failures import failing_together, wait
@@ -69,15 +71,19 @@ def _halo_exchange(tensors, group, tag, send_rows, receive_rows, shift=1, dtype=
     return pass_round([t[:, :, send_rows] for t in tensors], group, tag, shift, into=received)
 
 
-def kept_halo(k, v, group_size: int, recompute_kv: bool, layout: str, cu_seqlens):
+def kept_halo(k, v, group_size: int, recompute_kv: bool, layout: str, cu_seqlens, is_causal: bool, window: tuple):
     """Buffers for the K and V rows a ring of two ranks receives, which the op keeps for its
     backward, or None (with ``recompute_kv``, or on more ranks, whose K and V pass on). Halos differ
-    in length between ranks and an op's output shapes must not, so each buffer is flat, of one
-    shard's size (``head_rows_bound`` for one rank, on packed documents' uneven shards), and the
-    halo fills its start (``halo_views``)."""
+    in length between ranks and an op's output shapes must not, so each buffer is flat, of the
+    most rows a halo can have, and the halo fills its start (``halo_views``): one shard
+    (``head_rows_bound`` for one rank, on packed documents' uneven shards), or on contiguous
+    shards under a window the window's reach, if shorter."""
     if recompute_kv or group_size != 2:
         return None
     rows = head_rows_bound(k.shape[2], 0 if cu_seqlens is None else cu_seqlens.shape[0] - 1, 1, layout)
+    reach = halo_reach(layout, is_causal, window)
+    if reach is not None:
+        rows = torch.sym_min(rows, reach)  # no guard on a symbolic shard length
     return tuple(x.new_empty(x.shape[0] * x.shape[1] * rows * x.shape[3]) for x in (k, v))
 
 
@@ -226,7 +232,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group_name: str, group_size:
     window = (window_left, window_right)
     sharding = check_call(q, k, v, groups, strategy="ring", scale=scale, is_causal=is_causal, layout=layout,
                           window=window, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, recompute_kv=recompute_kv)
-    kept = kept_halo(k, v, group_size, recompute_kv, layout, cu_seqlens)
+    kept = kept_halo(k, v, group_size, recompute_kv, layout, cu_seqlens, is_causal, window)
     with failing_together("attn_cp::ring_attention"):
         out, lse = ring_forward(q, k, v, group, scale, is_causal, window, sharding, kept)
     return out, lse, *(kept or (k.new_empty(0), v.new_empty(0)))
@@ -235,8 +241,8 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group_name: str, group_size:
 @ring_attention.register_fake
 def _(q, k, v, group_name, group_size, scale, is_causal, layout, recompute_kv, window_left=-1, window_right=-1,
       cu_seqlens=None, max_seqlen=0):
-    return *fake_result(q, v), *(kept_halo(k, v, group_size, recompute_kv, layout, cu_seqlens)
-                                 or (k.new_empty(0), v.new_empty(0)))
+    return *fake_result(q, v), *(kept_halo(k, v, group_size, recompute_kv, layout, cu_seqlens, is_causal,
+                                           (window_left, window_right)) or (k.new_empty(0), v.new_empty(0)))
 
 
 @torch.library.custom_op("attn_cp::ring_attention_backward", mutates_args=())
