@@ -2,6 +2,7 @@
 processes: MHA, GQA, MLA and GQA+MLA; causal and full; zigzag and contiguous; eager and compiled.
 
 Each rank builds the same global inputs, runs on its shard, and gathers output and gradients."""
+import contextlib
 import itertools
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from attn_compile.cp import ring
 from attn_compile.cp.api import context_parallel_attention
 from attn_compile.cp.layout import shard_sequence, unshard_sequence
 from attn_compile.kernels import attention_backward, attention_forward
@@ -142,13 +144,20 @@ def _ring_attention(recompute_kv, compiled):
                          backend=BACKEND, options=options, fullgraph=True)
 
 
-def _count_ring_transfers(rank, world):
-    from attn_compile.cp import ring
-    tags = []
-    pass_round = ring.pass_round
+@contextlib.contextmanager
+def ring_transfers():
+    """The tags of the ring's transfers (``ring.KV_TAG``, ``ring.GRAD_TAG``), in order, while the block runs."""
+    tags, pass_round = [], ring.pass_round
     ring.pass_round = lambda tensors, group, tag, *args, **kwargs: (
         tags.append(tag) or pass_round(tensors, group, tag, *args, **kwargs))
     try:
+        yield tags
+    finally:
+        ring.pass_round = pass_round
+
+
+def _count_ring_transfers(rank, world):
+    with ring_transfers() as tags:
         for recompute_kv, compiled in itertools.product((False, True), (False, True)):
             torch.manual_seed(0)
             q, k, v = (torch.randn(1, h, 8, d, requires_grad=True) for h, d in ((4, 24), (2, 24), (2, 16)))
@@ -160,8 +169,6 @@ def _count_ring_transfers(rank, world):
             want = [ring.KV_TAG, ring.GRAD_TAG] if recompute_kv else [ring.GRAD_TAG]
             assert (forward, backward) == ([ring.KV_TAG], want), (recompute_kv, compiled, forward, backward)
             tags.clear()
-    finally:
-        ring.pass_round = pass_round
 
 
 def test_ring_of_two_ranks_keeps_its_halo_for_the_backward():
@@ -182,12 +189,11 @@ def test_ring_of_two_ranks_keeps_its_halo_for_the_backward():
     ("contiguous", True, (-1, -1), torch.tensor([0, 5, 9, 32]), 16 + 3),
 ])
 def test_kept_halo_holds_the_most_rows_a_halo_can_have(layout, is_causal, window, cu_seqlens, rows):
-    from attn_compile.cp.ring import kept_halo
     k, v = torch.randn(2, 2, 16, 24), torch.randn(2, 2, 16, 8)
-    kept = kept_halo(k, v, 2, False, layout, cu_seqlens, is_causal, window)
+    kept = ring.kept_halo(k, v, 2, False, layout, cu_seqlens, is_causal, window)
     assert [x.shape for x in kept] == [(2 * 2 * rows * 24,), (2 * 2 * rows * 8,)]
-    assert kept_halo(k, v, 2, True, layout, cu_seqlens, is_causal, window) is None  # recompute_kv
-    assert kept_halo(k, v, 4, False, layout, cu_seqlens, is_causal, window) is None  # the keys pass on
+    assert ring.kept_halo(k, v, 2, True, layout, cu_seqlens, is_causal, window) is None  # recompute_kv
+    assert ring.kept_halo(k, v, 4, False, layout, cu_seqlens, is_causal, window) is None  # the keys pass on
 
 
 def _ring_frames_per_length(rank, world, lengths):

@@ -10,6 +10,7 @@ from attn_compile import shard_varlen
 from attn_compile.cp import ring
 from dist_harness import run_distributed
 from oracle import rel_err
+from test_cp_strategies import ring_transfers
 from test_varlen_attn_pass import GQA
 
 varlen = pytest.importorskip("torch.nn.attention.varlen")
@@ -34,13 +35,10 @@ def _check_ranks(rank, world):
     full = [torch.randn(total, heads, 8, dtype=torch.float64, generator=generator) for heads in (4, 2, 2)]
     dout = torch.randn(total, 4, 8, dtype=torch.float64, generator=generator)
     options = {"mesh": group, "inner": "aot_eager"}
-    tags = []  # the ring's transfers: its backward sends the keys again only with recompute_kv
-    pass_round = ring.pass_round
-    ring.pass_round = lambda tensors, group, tag, *args, **kwargs: (
-        tags.append(tag) or pass_round(tensors, group, tag, *args, **kwargs))
     cases = [(window, {}) for window in ((-1, 0), (5, 0), (-1, -1))]
     cases += [((-1, 0), {"strategy": "ring", "recompute_kv": recompute_kv}) for recompute_kv in (False, True)]
-    try:
+    # the ring's transfers: its backward sends the keys again only with recompute_kv
+    with ring_transfers() as tags:
         for window, more in cases:
             torch._dynamo.reset()
             compiled = torch.compile(attention, backend="attn_cp", options={**options, **more}, fullgraph=True)
@@ -60,8 +58,6 @@ def _check_ranks(rank, world):
                 assert rel_err(got, shard_varlen(want, cu, group)[0]) <= 1e-6
             if "recompute_kv" in more:
                 assert tags == ([ring.KV_TAG] if more["recompute_kv"] else []) + [ring.GRAD_TAG], (more, tags)
-    finally:
-        ring.pass_round = pass_round
     # cu_seqlens of this rank's tokens only: the op's check of its token count raises on every rank
     local = [shard_varlen(x, cu, group) for x in full]
     torch._dynamo.reset()

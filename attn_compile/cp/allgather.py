@@ -23,7 +23,7 @@ from .documents import ChunkSharding
 from .failures import failing_together
 from .grad_sum import GradSum
 from .merge import MergedResult
-from .registration import fake_result, register_kept_kv
+from .registration import fake_result, nothing_kept, register_kept_kv
 from .tiles import attend_tiles, attend_tiles_backward, plan_calls
 
 
@@ -82,17 +82,15 @@ def allgather_attention(q: Tensor, k: Tensor, v: Tensor, group_name: str, group_
                           window=window, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, recompute_kv=recompute_kv)
     with failing_together("attn_cp::allgather_attention"):
         out, lse, k_all, v_all = allgather_forward(q, k, v, group, scale, is_causal, window, sharding)
-    return (out, lse, k.new_empty(0), v.new_empty(0)) if recompute_kv else (out, lse, k_all, v_all)
+    return (out, lse, *nothing_kept(k, v)) if recompute_kv else (out, lse, k_all, v_all)
 
 
 @allgather_attention.register_fake
 def _(q, k, v, group_name, group_size, scale, is_causal, layout, recompute_kv, window_left=-1, window_right=-1,
       cu_seqlens=None, max_seqlen=0):
     if recompute_kv:
-        gathered = [x.new_empty(0) for x in (k, v)]
-    else:
-        gathered = [x.new_empty((*x.shape[:2], x.shape[2] * group_size, x.shape[3])) for x in (k, v)]
-    return (*fake_result(q, v), *gathered)
+        return (*fake_result(q, v), *nothing_kept(k, v))
+    return (*fake_result(q, v), *(x.new_empty((*x.shape[:2], x.shape[2] * group_size, x.shape[3])) for x in (k, v)))
 
 
 @torch.library.custom_op("attn_cp::allgather_attention_backward", mutates_args=())

@@ -2,9 +2,8 @@
 
 Every strategy is a pair of ops in the ``attn_cp`` namespace. Ring and all-gather
 (``register_kept_kv``) return the K and V they received beside (out, lse), for their backward,
-which takes them, or None where ``recompute_kv`` kept nothing. Ulysses and hybrid
-(``register_head_exchange``) exchange heads
-for sequence: their op returns (out, lse, q_h, k_h, v_h, out_h, lse_h), the head shards it
+which takes them, or None where the op kept nothing (``nothing_kept``). Ulysses and hybrid
+(``register_head_exchange``) exchange heads for sequence: their op returns (out, lse, q_h, k_h, v_h, out_h, lse_h), the head shards it
 attended, and their backward takes ``(dout, q_h, k_h, v_h, out_h, lse_h, h_kv, *config)``, so
 nothing is exchanged twice (packed documents' head shards come in buffers of a bound their
 shape can name, ``ulysses.kept_head_shards``). The LSE is returned for merging and inspection; it
@@ -23,6 +22,11 @@ def fake_result(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.T
 def fake_grads(q, k, v) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv), contiguous whatever the layout of q, k and v."""
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def nothing_kept(k, v) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a ``register_kept_kv`` op returns in place of the K and V it did not keep."""
+    return k.new_empty(0), v.new_empty(0)
 
 
 def register_head_exchange(op, backward_op) -> None:
@@ -56,10 +60,10 @@ def register_head_exchange(op, backward_op) -> None:
 def register_kept_kv(op, backward_op) -> None:
     """The backward's fake and the autograd of ``op(q, k, v, group_name, group_size, scale, is_causal,
     layout, recompute_kv, window_left, window_right, cu_seqlens, max_seqlen) -> (out, lse, k_kept,
-    v_kept)`` and
-    ``backward_op(dout, q, k, v, out, lse, k_kept, v_kept, group_name, scale, is_causal, layout,
-    window_left, window_right, cu_seqlens, max_seqlen) -> (dq, dk, dv)``: the kept K and V are saved
-    between the passes, unless ``recompute_kv``, and then the backward gets None for them."""
+    v_kept)`` and ``backward_op(dout, q, k, v, out, lse, k_kept, v_kept, group_name, scale,
+    is_causal, layout, window_left, window_right, cu_seqlens, max_seqlen) -> (dq, dk, dv)``: the
+    kept K and V are saved between the passes, unless ``recompute_kv``, and then the backward gets
+    None for them."""
     def setup_context(ctx, inputs, output):
         q, k, v, group_name, _, scale, is_causal, layout, recompute_kv, window_left, window_right, cu_seqlens, \
             max_seqlen = inputs

@@ -29,7 +29,7 @@ from .failures import failing_together, wait
 from .grad_sum import GradSum, most_parts
 from .layout import Chunk
 from .merge import MergedResult
-from .registration import fake_result, register_kept_kv
+from .registration import fake_result, nothing_kept, register_kept_kv
 from .tiles import Tile, attend_tiles, attend_tiles_backward, plan_calls, plan_tiles
 from .ulysses import head_rows_bound
 from .words import contiguous
@@ -71,14 +71,20 @@ def _halo_exchange(tensors, group, tag, send_rows, receive_rows, shift=1, dtype=
     return pass_round([t[:, :, send_rows] for t in tensors], group, tag, shift, into=received)
 
 
+def keeps_halo(group_size: int) -> bool:
+    """Whether the ring's op keeps the halo it received for the backward: on two ranks, unless
+    ``recompute_kv``; on more, the K and V a rank receives pass on."""
+    return group_size == 2
+
+
 def kept_halo(k, v, group_size: int, recompute_kv: bool, layout: str, cu_seqlens, is_causal: bool, window: tuple):
     """Buffers for the K and V rows a ring of two ranks receives, which the op keeps for its
-    backward, or None (with ``recompute_kv``, or on more ranks, whose K and V pass on). Halos differ
+    backward, or None (with ``recompute_kv``, or where the ring does not ``keeps_halo``). Halos differ
     in length between ranks and an op's output shapes must not, so each buffer is flat, of the
     most rows a halo can have, and the halo fills its start (``halo_views``): one shard
     (``head_rows_bound`` for one rank, on packed documents' uneven shards), or on contiguous
     shards under a window the window's reach, if shorter."""
-    if recompute_kv or group_size != 2:
+    if recompute_kv or not keeps_halo(group_size):
         return None
     rows = head_rows_bound(k.shape[2], 0 if cu_seqlens is None else cu_seqlens.shape[0] - 1, 1, layout)
     reach = halo_reach(layout, is_causal, window)
@@ -235,14 +241,14 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group_name: str, group_size:
     kept = kept_halo(k, v, group_size, recompute_kv, layout, cu_seqlens, is_causal, window)
     with failing_together("attn_cp::ring_attention"):
         out, lse = ring_forward(q, k, v, group, scale, is_causal, window, sharding, kept)
-    return out, lse, *(kept or (k.new_empty(0), v.new_empty(0)))
+    return out, lse, *(kept or nothing_kept(k, v))
 
 
 @ring_attention.register_fake
 def _(q, k, v, group_name, group_size, scale, is_causal, layout, recompute_kv, window_left=-1, window_right=-1,
       cu_seqlens=None, max_seqlen=0):
     return *fake_result(q, v), *(kept_halo(k, v, group_size, recompute_kv, layout, cu_seqlens, is_causal,
-                                           (window_left, window_right)) or (k.new_empty(0), v.new_empty(0)))
+                                           (window_left, window_right)) or nothing_kept(k, v))
 
 
 @torch.library.custom_op("attn_cp::ring_attention_backward", mutates_args=())
@@ -253,7 +259,7 @@ def ring_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
                             ) -> tuple[Tensor, Tensor, Tensor]:
     """``k_halo`` and ``v_halo``: what the forward op kept, or None to receive the halo again."""
     (group,) = groups = resolve([group_name])
-    kept = (k_halo, v_halo) if k_halo is not None and group.size() == 2 else None
+    kept = (k_halo, v_halo) if k_halo is not None and keeps_halo(group.size()) else None
     with failing_together("attn_cp::ring_attention_backward"):
         sharding = sharding_of(q, groups, layout, cu_seqlens)
         return ring_backward(dout, q, k, v, out, lse, group, scale, is_causal, (window_left, window_right), sharding,
