@@ -3,12 +3,13 @@
 The choice depends only on the call's metadata (see ``Problem``), so every rank and ``explain``
 agree on it; forward and backward choose each for their own direction. Kernels are tried in the
 order of their measured speed on the call's class of problem (``ranking.py``); kernels without
-a figure there follow in the fixed order FlashAttention-4 > FA4's mask_mod path > cuDNN > Triton >
-flash > efficient, and the reference takes everything else. A backward may run on another kernel
-than its forward: all of them take the same natural-log LSE. Windows and position offsets (ring
-steps), which none of the aten kernels take, run on FA4 or Triton; (B, S) document ids and key
-padding masks on FA4's mask_mod path (``fa4_mask_mod.py``), FA4's key padding path (``fa4.py``)
-or Triton, which read them on the device; where none of them runs, document ids are read on the
+a figure there follow in the fixed order FlashAttention-4 > FA4's mask_mod path > FA4's segments
+path > cuDNN > Triton > flash > efficient, and the reference takes everything else. A backward
+may run on another kernel than its forward: all of them take the same natural-log LSE. Windows
+and position offsets (ring steps), which none of the aten kernels take, run on FA4 or Triton;
+(B, S) document ids and key padding masks on FA4's mask_mod path (``fa4_mask_mod.py``), FA4's
+segments path for document ids (``fa4_segments.py``), FA4's key padding path (``fa4.py``) or
+Triton, which read them on the device; where none of them runs, document ids are read on the
 host and run as packed documents.
 Packed documents (``varlen_*``) try FA4, Triton, then FA2's varlen kernel (which pads V for MLA
 inside its adapter), then one reference call per document. ``merge_into`` combines partial
@@ -31,6 +32,7 @@ from .aten import Cudnn, Efficient, Flash, FlashVarlen
 from .documents import packed, run_bounds, same_document_mask, unpacked
 from .fa4 import FA4, FA4Varlen
 from .fa4_mask_mod import FA4MaskMod
+from .fa4_segments import FA4Segments
 from .problem import Problem, capability
 from .ranking import ranked
 
@@ -39,7 +41,8 @@ try:
 except ImportError:  # triton is a Linux-only dependency
     Triton = TritonVarlen = merge_forward = None
 
-FUSED = tuple(kernel for kernel in (FA4, FA4MaskMod, Cudnn, Triton, Flash, Efficient) if kernel is not None)
+FUSED = tuple(kernel for kernel in (FA4, FA4MaskMod, FA4Segments, Cudnn, Triton, Flash, Efficient)
+              if kernel is not None)
 FUSED_VARLEN = tuple(kernel for kernel in (FA4Varlen, TritonVarlen, FlashVarlen) if kernel is not None)
 REFERENCE = "reference"
 
@@ -54,10 +57,10 @@ def _first(kernels, problem, packed=False):
 
 
 def select_kernel(q, k, v, document_ids=None, **masking) -> str:
-    """Name of the kernel that runs this call: 'fa4', 'fa4 mask_mod', 'cudnn', 'triton', 'flash',
-    'efficient' or 'reference', followed by ' (backward <name>)' where the backward runs on another
-    one. Document ids go to a fused kernel that reads them on the device ('fa4 mask_mod',
-    'triton') where one takes the call, else to 'varlen:<kernel>', the packed kernel that runs
+    """Name of the kernel that runs this call: 'fa4', 'fa4 mask_mod', 'fa4 segments', 'cudnn',
+    'triton', 'flash', 'efficient' or 'reference', followed by ' (backward <name>)' where the
+    backward runs on another one. Document ids go to a fused kernel that reads them on the device
+    ('fa4 mask_mod', 'fa4 segments', 'triton') where one takes the call, else to 'varlen:<kernel>', the packed kernel that runs
     documents in contiguous runs after reading them on the host (ids that come back after
     another run on the reference)."""
     problem = Problem.of(q, k, v, **masking, document_ids=document_ids)

@@ -37,6 +37,7 @@ import functools
 
 import torch
 
+from .documents import packed, unpacked
 from .problem import Problem
 from .result_layout import as_grad, as_out, empty_out
 from .visibility import effective_window
@@ -134,16 +135,6 @@ def _recomputed(runs, key_padding_mask):
     return key_padding_mask & (runs.holes != 0)[:, None]
 
 
-def _packed(x):
-    """(B, H, S, D) -> (B * S, H, D): a view where the batch and sequence dims merge, else a copy."""
-    return bshd(x).flatten(0, 1)
-
-
-def _unpacked(x, like):
-    """A packed (B * S, H, D) result as ``like``'s (B, H, S, D), a view."""
-    return x.unflatten(0, (like.shape[0], like.shape[2])).transpose(1, 2)
-
-
 def _packing(runs, s, segments, lengths, keys):
     return dict(cu_seqlens_q=segments, seqused_q=lengths, cu_seqlens_k=runs.starts, seqused_k=keys,
                 max_seqlen_q=s, max_seqlen_k=s)
@@ -158,7 +149,7 @@ def _padded_forward(q, k, v, scale, is_causal, key_padding_mask, softcap):
     from .triton_runs import fill_runs, find_runs
     runs = find_runs(key_padding_mask)
     b, h, s, _ = q.shape
-    inputs = [_packed(x) for x in (q, k, v)]
+    inputs = [packed(x) for x in (q, k, v)]
     out = q.new_empty(b * s, h, v.shape[-1])
     lse = torch.empty((h, b * s), dtype=torch.float32, device=q.device)
     for segments, lengths, keys, causal in _calls(runs, is_causal):
@@ -168,7 +159,7 @@ def _padded_forward(q, k, v, scale, is_causal, key_padding_mask, softcap):
     if is_causal:  # the queries before a run see no key
         fill_runs(out, runs.rows, runs.before, s, 0.0)
         fill_runs(lse.t().unsqueeze(-1), runs.rows, runs.before, s, float("-inf"))
-    out, lse = as_out(_unpacked(out, q), q), lse.unflatten(1, (b, s)).transpose(0, 1).contiguous()
+    out, lse = as_out(unpacked(out, b), q), lse.unflatten(1, (b, s)).transpose(0, 1).contiguous()
     return _triton().attention_forward(q, k, v, scale=scale, is_causal=is_causal, softcap=softcap,
                                        key_padding_mask=_recomputed(runs, key_padding_mask), into=(out, lse))
 
@@ -176,7 +167,7 @@ def _padded_forward(q, k, v, scale, is_causal, key_padding_mask, softcap):
 def _padded_backward(dout, q, k, v, out, lse, scale, is_causal, key_padding_mask, softcap):
     from .triton_runs import fill_runs, find_runs, finish_key_grads
     runs, s = find_runs(key_padding_mask), q.shape[2]
-    inputs = [_packed(x) for x in (q, k, v, out, dout)]
+    inputs = [packed(x) for x in (q, k, v, out, dout)]
     lse_packed = lse.transpose(0, 1).flatten(1).contiguous()
     grads = [torch.empty_like(x) for x in inputs[:3]]
     calls = _calls(runs, is_causal)
@@ -189,7 +180,7 @@ def _padded_backward(dout, q, k, v, out, lse, scale, is_causal, key_padding_mask
         fill_runs(grads[0], runs.rows, runs.before, s, 0.0)
     for grad, part in zip(grads[1:], parts):
         finish_key_grads(grad, part, runs, s)
-    grads = [as_grad(_unpacked(grad, x), x) for grad, x in zip(grads, (q, k, v))]
+    grads = [as_grad(unpacked(grad, x.shape[0]), x) for grad, x in zip(grads, (q, k, v))]
     return _triton().attention_backward(dout, q, k, v, out, lse, scale=scale, is_causal=is_causal, softcap=softcap,
                                         key_padding_mask=_recomputed(runs, key_padding_mask), into=grads)
 

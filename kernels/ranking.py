@@ -1,6 +1,6 @@
 """The order in which the dispatch tries the kernels: per problem class and direction, fastest
 measured first (BENCHMARKS.md, "Kernels"; H100 80GB HBM3, torch 2.11, triton 3.6, flash-attn-4
-4.0.0b36). Kernels a row has no figure for follow the measured ones in the dispatch's fixed order,
+4.0.0b36; the document-id row on an H200). Kernels a row has no figure for follow the measured ones in the dispatch's fixed order,
 and a class without a row keeps that order.
 
 A class is what decides the relative speeds: the mask's kind (dense, window, position offset,
@@ -9,6 +9,10 @@ tokens or fewer is bound by host time, which FA4's mask_mod path (one FA4 launch
 tables) cuts by 0.6-1.2 ms per call against FA4's key padding path (two packed FA4 launches, the
 fills of the rows no call writes, the recompute of rows with holes); at 8192 tokens the packed
 path measured 3-13% faster on the GPU in five of six rows and directions (1% slower in one).
+On document ids, FA4's segments path ran the backward faster than the mask_mod path in each of
+the seven batches measured (documents of 128 tokens to 8192), but its forward only in four; it
+pays a fixed share (its segments, the Triton launch for the rows it does not take) that the
+backward, the longer call, hides.
 ``python -m attn_compile.bench kernels --candidates`` times every kernel the dispatch may choose
 for each benchmark shape and says where this table's order no longer holds.
 """
@@ -43,8 +47,9 @@ TABLE = {  # class: its rows, the shortest bound first
                                  "run D, ring step: causal, offset half a tile")],
     "softcap": [Measured({"triton": 387, "fa4": 303}, {"fa4": 389, "triton": 336}, "TFLOP/s",
                          "run D, MHA 32h d128 causal, softcap 50")],
-    "document ids": [Measured({"fa4 mask_mod": 552, "triton": 382}, {"fa4 mask_mod": 372, "triton": 276}, "TFLOP/s",
-                              "run K, 9 documents to 32K, MLA 16h")],
+    "document ids": [Measured({"fa4 mask_mod": 1.727, "fa4 segments": 1.750, "triton": 2.424},
+                              {"fa4 segments": 5.415, "fa4 mask_mod": 6.218, "triton": 8.638}, "ms",
+                              "H200, each kernel called directly, 9 documents to 32K, MLA 16h (BENCHMARKS.md)")],
     "document ids, window": [Measured(
         {"triton": 0.347, "fa4 mask_mod": 0.387}, {"triton": 0.872, "fa4 mask_mod": 0.875}, "ms",
         "Mistral-shaped B2 S 4096, GQA 32/8, causal window 1023, its packed rows' documents; the same order at 8192")],

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import attn_compile  # noqa: F401
-from attn_compile.kernels import fa4, fa4_mask_mod, select_kernel
+from attn_compile.kernels import fa4, fa4_mask_mod, fa4_segments, select_kernel
 from attn_compile.kernels.documents import same_document_mask
 from attn_compile.kernels.problem import Problem, capability
 from attn_compile.kernels.result_layout import empty_out
@@ -176,6 +176,28 @@ def test_document_ids_against_float64(name):
     _check(q, k, v, name, kernel=fa4_mask_mod, document_ids=ids.cuda(), **masking)
 
 
+SEGMENTS_ONLY = {  # name: as DOCUMENTS; classes the mask_mod path does not take
+    "gqa 8/2 d128 causal softcap 5, S 300": (8, 2, 300, 128, 128, _document_ids([[60, 7, 150, 83], [300]]),
+                                             dict(is_causal=True, softcap=5.0)),
+    "d256 gqa 4/2 window (64, 0), S 300": (4, 2, 300, 256, 256, _document_ids([[200, 100], [16, 284]]),
+                                           dict(window=(64, 0))),
+}
+
+
+@pytest.mark.parametrize("budget", ["fa4 rows", "default"])
+@pytest.mark.parametrize("name", list(DOCUMENTS) + list(SEGMENTS_ONLY))
+def test_document_segments_against_float64(name, budget, monkeypatch):
+    """Document ids on FA4's varlen kernel, their segments made on the device. ``fa4 rows``: a
+    budget of a segment per 4 tokens, so FA4 runs every row whose ids never fall; by default the
+    rows of short documents here run on Triton."""
+    if budget == "fa4 rows":
+        monkeypatch.setattr(fa4_segments, "MEAN_LENGTH", {False: 4, True: 4})
+    torch.manual_seed(4)
+    h_q, h_kv, s, d_qk, d_v, ids, masking = {**DOCUMENTS, **SEGMENTS_ONLY}[name]
+    q, k, v = _qkv(ids.shape[0], h_q, h_kv, s, s, d_qk, d_v)
+    _check(q, k, v, name, kernel=fa4_segments, document_ids=ids.cuda(), **masking)
+
+
 def test_varlen_against_float64():
     torch.manual_seed(2)
     lengths = [100, 37, 200, 1]
@@ -208,7 +230,7 @@ DISPATCH = {  # name: (h_q, h_kv, d_qk, d_v, masking, expected)
     "ring tile, causal at an offset": (8, 2, 128, 128, dict(is_causal=True, q_offset=256, k_offset=0), "fa4"),
     "tile FA4 cannot align": (8, 2, 128, 128, dict(window=(-1, 8), q_offset=0, k_offset=20), "triton"),
     "document ids": (8, 2, 128, 128, dict(is_causal=True, document_ids=torch.zeros(1, 256, dtype=torch.int32)),
-                     "fa4 mask_mod"),
+                     "fa4 mask_mod (backward fa4 segments)"),
     "document ids, window": (8, 2, 128, 128, dict(window=(64, 0), document_ids=torch.zeros(1, 256, dtype=torch.int32)),
                              "triton"),
     "key padding": (8, 2, 128, 128, dict(is_causal=True, key_padding_mask=torch.ones(1, 256, dtype=torch.bool)),
