@@ -31,8 +31,11 @@ except ImportError:
     triton_attention = None
 
 # The shortest mean document length a row may have for FA4, per direction (False: forward);
-# Triton runs rows of shorter documents.
-MEAN_LENGTH = {False: 128, True: 512}
+# Triton runs rows of shorter documents. Measured on an H200 (BENCHMARKS.md, run L): Triton's
+# forward was the faster where documents were 1024 tokens long or shorter (0.916 against this
+# path's 0.920 ms at 1024), its backward where they were 256 or shorter (at 512 this path's took
+# 1.925 ms, Triton's 1.954).
+MEAN_LENGTH = {False: 1024, True: 512}
 
 
 def supports(p: Problem) -> bool:

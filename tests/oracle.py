@@ -43,6 +43,15 @@ def naive_attention(q, k, v, **masking):
     return naive_probs(q, k, **masking) @ v.double().repeat_interleave(q.shape[1] // v.shape[1], 1)
 
 
+def errors_against_oracle(q, k, v, dout, out, grads, **masking) -> list[float]:
+    """rel_err of ``out`` and ``grads`` (dq, dk, dv) against float64 attention under ``masking``
+    (naive_attention's arguments), the gradients taken for ``dout``."""
+    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+    want = naive_attention(qd, kd, vd, **masking)
+    want_grads = torch.autograd.grad(want, (qd, kd, vd), dout.double())
+    return [rel_err(out, want), *(rel_err(g, w) for g, w in zip(grads, want_grads))]
+
+
 def rel_err(got, want) -> float:
     """||got - want|| / ||want||; where the reference is exactly zero (a gradient when every query
     sees a single key), the largest absolute error instead. NaN anywhere is an infinite error (a NaN
