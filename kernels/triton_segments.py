@@ -15,8 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 8192  # ids per step of a row's scan: one program scans a row, so fewer, wider steps
-
+from .triton_tiles import scan_block
 
 class Segments(NamedTuple):
     """``starts``: int32 (B * budget + 1,), each slot's first packed row (FA4's ``cu_seqlens``);
@@ -70,5 +69,5 @@ def document_segments(ids, budget) -> Segments:
     used = torch.empty(batch * budget, dtype=torch.int32, device=ids.device)
     marked = torch.empty(batch, s, dtype=torch.bool, device=ids.device)
     _segments_kernel[(batch,)](ids.view(torch.uint8) if ids.dtype == torch.bool else ids, ids.stride(0), s, batch,
-                               budget, starts, used, marked.view(torch.int8), BLOCK=min(BLOCK, triton.next_power_of_2(s)))
+                               budget, starts, used, marked.view(torch.int8), BLOCK=scan_block(s))
     return Segments(starts, used, marked)

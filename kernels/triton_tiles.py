@@ -504,6 +504,12 @@ def _document_spans_kernel(ids, stride_b, n, spans, runs, BLOCK: tl.constexpr):
     tl.store(runs + tl.program_id(0), rising.to(tl.int32))
 
 
+def scan_block(n):
+    """Positions per step of a kernel whose one program scans a batch row of ``n``: its steps run one
+    after another, so they are few and wide."""
+    return min(8192, triton.next_power_of_2(max(n, 1)))
+
+
 def document_args(document_ids):
     """The kernels' document arguments for (B, S) ids with a unit last stride, or None: the ids
     (bool as uint8), their batch stride, int32 (B, S, 2) spans and int32 (B,) runs flags. A row
@@ -517,7 +523,7 @@ def document_args(document_ids):
     spans = torch.empty(batch, n, 2, dtype=torch.int32, device=ids.device)
     runs = torch.empty(batch, dtype=torch.int32, device=ids.device)
     if n:
-        _document_spans_kernel[(batch,)](ids, ids.stride(0), n, spans, runs, BLOCK=1024)
+        _document_spans_kernel[(batch,)](ids, ids.stride(0), n, spans, runs, BLOCK=scan_block(n))
     return ids, ids.stride(0), spans, runs
 
 
@@ -544,7 +550,8 @@ def key_padding_args(key_padding_mask):
         return None, 0, None
     mask = key_padding_mask.view(torch.uint8)
     bounds = torch.empty(mask.shape[0], 2, dtype=torch.int32, device=mask.device)
-    _padding_bounds_kernel[(mask.shape[0],)](mask, mask.stride(0), mask.shape[1], bounds, BLOCK=1024)
+    _padding_bounds_kernel[(mask.shape[0],)](mask, mask.stride(0), mask.shape[1], bounds,
+                                             BLOCK=scan_block(mask.shape[1]))
     return mask, mask.stride(0), bounds
 
 
