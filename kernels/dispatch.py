@@ -60,9 +60,9 @@ def select_kernel(q, k, v, document_ids=None, **masking) -> str:
     """Name of the kernel that runs this call: 'fa4', 'fa4 mask_mod', 'fa4 segments', 'cudnn',
     'triton', 'flash', 'efficient' or 'reference', followed by ' (backward <name>)' where the
     backward runs on another one. Document ids go to a fused kernel that reads them on the device
-    ('fa4 mask_mod', 'fa4 segments', 'triton') where one takes the call, else to 'varlen:<kernel>', the packed kernel that runs
-    documents in contiguous runs after reading them on the host (ids that come back after
-    another run on the reference)."""
+    ('fa4 mask_mod', 'fa4 segments', 'triton') where one takes the call, else to
+    'varlen:<kernel>', the packed kernel that runs documents in contiguous runs after reading
+    them on the host (ids that come back after another run on the reference)."""
     problem = Problem.of(q, k, v, **masking, document_ids=document_ids)
     if _first(FUSED, problem) is not None:
         return describe(problem)
