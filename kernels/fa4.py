@@ -116,6 +116,32 @@ def attention_backward(dout, q, k, v, out, lse, *, scale, is_causal=False, windo
     return dq, dk, dv
 
 
+# Dense batches as packed calls ---------------------------------------------------------------------------------
+
+
+def packed_results(q, d_v):
+    """Uninitialised out (B * S, H, d_v) and LSE (H, B * S) float32: FA4's packed layouts, for a
+    dense (B, H, S, D) ``q`` run as packed segments."""
+    b, h, s, _ = q.shape
+    return q.new_empty(b * s, h, d_v), torch.empty((h, b * s), dtype=torch.float32, device=q.device)
+
+
+def dense_results(out, lse, q):
+    """``packed_results`` as the op returns them: out (B, H, S, d_v) in q's memory order, LSE (B, H, S)."""
+    b, _, s, _ = q.shape
+    return as_out(unpacked(out, b), q), lse.unflatten(1, (b, s)).transpose(0, 1).contiguous()
+
+
+def packed_lse(lse):
+    """The op's (B, H, S) LSE in FA4's packed (H, B * S)."""
+    return lse.transpose(0, 1).flatten(1).contiguous()
+
+
+def dense_grads(grads, inputs):
+    """Packed (B * S, H, D) gradients of ``inputs`` (q, k, v), each in its input's strides."""
+    return [as_grad(unpacked(grad, x.shape[0]), x) for grad, x in zip(grads, inputs)]
+
+
 # Key padding ---------------------------------------------------------------------------------------------------
 
 
@@ -148,10 +174,9 @@ def _triton():
 def _padded_forward(q, k, v, scale, is_causal, key_padding_mask, softcap):
     from .triton_runs import fill_runs, find_runs
     runs = find_runs(key_padding_mask)
-    b, h, s, _ = q.shape
+    s = q.shape[2]
     inputs = [packed(x) for x in (q, k, v)]
-    out = q.new_empty(b * s, h, v.shape[-1])
-    lse = torch.empty((h, b * s), dtype=torch.float32, device=q.device)
+    out, lse = packed_results(q, v.shape[-1])
     for segments, lengths, keys, causal in _calls(runs, is_causal):
         interface()._flash_attn_fwd(*inputs, softmax_scale=scale, causal=causal,
                                     softcap=softcap, out=out, lse=lse, return_lse=True,
@@ -159,7 +184,7 @@ def _padded_forward(q, k, v, scale, is_causal, key_padding_mask, softcap):
     if is_causal:  # the queries before a run see no key
         fill_runs(out, runs.rows, runs.before, s, 0.0)
         fill_runs(lse.t().unsqueeze(-1), runs.rows, runs.before, s, float("-inf"))
-    out, lse = as_out(unpacked(out, b), q), lse.unflatten(1, (b, s)).transpose(0, 1).contiguous()
+    out, lse = dense_results(out, lse, q)
     return _triton().attention_forward(q, k, v, scale=scale, is_causal=is_causal, softcap=softcap,
                                        key_padding_mask=_recomputed(runs, key_padding_mask), into=(out, lse))
 
@@ -168,7 +193,7 @@ def _padded_backward(dout, q, k, v, out, lse, scale, is_causal, key_padding_mask
     from .triton_runs import fill_runs, find_runs, finish_key_grads
     runs, s = find_runs(key_padding_mask), q.shape[2]
     inputs = [packed(x) for x in (q, k, v, out, dout)]
-    lse_packed = lse.transpose(0, 1).flatten(1).contiguous()
+    lse_packed = packed_lse(lse)
     grads = [torch.empty_like(x) for x in inputs[:3]]
     calls = _calls(runs, is_causal)
     parts = [torch.empty_like(grad) for grad in grads[1:]] if len(calls) > 1 else [None, None]
@@ -180,7 +205,7 @@ def _padded_backward(dout, q, k, v, out, lse, scale, is_causal, key_padding_mask
         fill_runs(grads[0], runs.rows, runs.before, s, 0.0)
     for grad, part in zip(grads[1:], parts):
         finish_key_grads(grad, part, runs, s)
-    grads = [as_grad(unpacked(grad, x.shape[0]), x) for grad, x in zip(grads, (q, k, v))]
+    grads = dense_grads(grads, (q, k, v))
     return _triton().attention_backward(dout, q, k, v, out, lse, scale=scale, is_causal=is_causal, softcap=softcap,
                                         key_padding_mask=_recomputed(runs, key_padding_mask), into=grads)
 

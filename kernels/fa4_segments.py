@@ -19,9 +19,8 @@ import dataclasses
 import torch
 
 from . import fa4
-from .documents import packed, unpacked
+from .documents import packed
 from .problem import Problem
-from .result_layout import as_grad, as_out
 from .visibility import mask_bytes
 
 try:  # the segments' and the marked rows' kernels; as in dispatch.py, triton is a Linux-only dependency
@@ -60,12 +59,11 @@ def attention_forward(q, k, v, *, scale, document_ids, is_causal=False, window=(
                       **_unused_masking):
     """(out (B, h_q, S, d_v) in q's dtype and q's memory order, lse (B, h_q, S) float32)."""
     segments = _segments(document_ids, backward=False)
-    b, h, s, _ = q.shape
-    out = q.new_empty(b * s, h, v.shape[-1])
-    lse = torch.empty((h, b * s), dtype=torch.float32, device=q.device)
+    out, lse = fa4.packed_results(q, v.shape[-1])
     fa4.interface()._flash_attn_fwd(*(packed(x) for x in (q, k, v)), softmax_scale=scale, softcap=softcap,
-                                    out=out, lse=lse, return_lse=True, **_packing(segments, s, is_causal, window))
-    out, lse = as_out(unpacked(out, b), q), lse.unflatten(1, (b, s)).transpose(0, 1).contiguous()
+                                    out=out, lse=lse, return_lse=True,
+                                    **_packing(segments, q.shape[2], is_causal, window))
+    out, lse = fa4.dense_results(out, lse, q)
     return triton_attention.attention_forward(q, k, v, scale=scale, is_causal=is_causal, window=window,
                                               softcap=softcap, document_ids=document_ids,
                                               key_padding_mask=segments.marked, into=(out, lse))
@@ -77,10 +75,10 @@ def attention_backward(dout, q, k, v, out, lse, *, scale, document_ids, is_causa
     segments = _segments(document_ids, backward=True)
     inputs = [packed(x) for x in (q, k, v, out.to(q.dtype), dout)]
     grads = [torch.empty_like(x) for x in inputs[:3]]
-    fa4.interface()._flash_attn_bwd(*inputs, lse.transpose(0, 1).flatten(1).contiguous(), scale, False, softcap,
+    fa4.interface()._flash_attn_bwd(*inputs, fa4.packed_lse(lse), scale, False, softcap,
                                     dq=grads[0], dk=grads[1], dv=grads[2],
                                     **_packing(segments, q.shape[2], is_causal, window))
-    grads = [as_grad(unpacked(grad, x.shape[0]), x) for grad, x in zip(grads, (q, k, v))]
+    grads = fa4.dense_grads(grads, (q, k, v))
     return triton_attention.attention_backward(dout, q, k, v, out, lse, scale=scale, is_causal=is_causal,
                                                window=window, softcap=softcap, document_ids=document_ids,
                                                key_padding_mask=segments.marked, into=grads)

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from .triton_tiles import scan_block
 
+
 class Segments(NamedTuple):
     """``starts``: int32 (B * budget + 1,), each slot's first packed row (FA4's ``cu_seqlens``);
     ``used``: int32 (B * budget,), each slot's length (FA4's ``seqused``), 0 for an empty slot and

@@ -3,11 +3,11 @@
 Every strategy is a pair of ops in the ``attn_cp`` namespace. Ring and all-gather
 (``register_kept_kv``) return the K and V they received beside (out, lse), for their backward,
 which takes them, or None where the op kept nothing (``nothing_kept``). Ulysses and hybrid
-(``register_head_exchange``) exchange heads for sequence: their op returns (out, lse, q_h, k_h, v_h, out_h, lse_h), the head shards it
-attended, and their backward takes ``(dout, q_h, k_h, v_h, out_h, lse_h, h_kv, *config)``, so
-nothing is exchanged twice (packed documents' head shards come in buffers of a bound their
-shape can name, ``ulysses.kept_head_shards``). The LSE is returned for merging and inspection; it
-carries no gradient.
+(``register_head_exchange``) exchange heads for sequence: their op returns (out, lse, q_h, k_h,
+v_h, out_h, lse_h), the head shards it attended, and their backward takes ``(dout, q_h, k_h,
+v_h, out_h, lse_h, h_kv, *config)``, so nothing is exchanged twice (packed documents' head
+shards come in buffers of a bound their shape can name, ``ulysses.kept_head_shards``). The LSE
+is returned for merging and inspection; it carries no gradient.
 """
 import torch
 
