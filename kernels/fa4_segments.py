@@ -1,6 +1,6 @@
 """(B, S) document ids on FlashAttention-4's varlen kernel, with no host sync: each batch row's runs
 of equal ids are the segments of one packed FA4 call, their cumulative starts and lengths made on
-the device (``triton_segments.py``, one launch). Causal masks and windows look only at position
+the device (``triton_segments.py``). Causal masks and windows look only at position
 differences, so inside a run they mean what they mean on the row.
 
 The rows FA4 is given no segment for are computed by the Triton kernels, in place (``into``), with
@@ -21,7 +21,6 @@ import torch
 from . import fa4
 from .documents import packed
 from .problem import Problem
-from .visibility import mask_bytes
 
 try:  # the segments' and the marked rows' kernels; as in dispatch.py, triton is a Linux-only dependency
     from . import triton_attention
@@ -45,7 +44,7 @@ def supports(p: Problem) -> bool:
 
 def _segments(document_ids, backward):
     s = document_ids.shape[1]
-    return document_segments(mask_bytes(document_ids).contiguous(), -(-s // MEAN_LENGTH[backward]))
+    return document_segments(document_ids.contiguous(), -(-s // MEAN_LENGTH[backward]))
 
 
 def _packing(segments, s, is_causal, window):

@@ -1,18 +1,21 @@
 """The order in which the dispatch tries the kernels: per problem class and direction, fastest
 measured first (BENCHMARKS.md, "Kernels"; H100 80GB HBM3, torch 2.11, triton 3.6, flash-attn-4
-4.0.0b36; the document-id row on an H200). Kernels a row has no figure for follow the measured
+4.0.0b36; the document-id rows on an H200). Kernels a row has no figure for follow the measured
 ones in the dispatch's fixed order, and a class without a row keeps that order.
 
 A class is what decides the relative speeds: the mask's kind (dense, window, position offset,
-softcap, document ids, key padding) and, for key padding, the length. A padded call of 4096
-tokens or fewer is bound by host time, which FA4's mask_mod path (one FA4 launch and its block
-tables) cuts by 0.6-1.2 ms per call against FA4's key padding path (two packed FA4 launches, the
-fills of the rows no call writes, the recompute of rows with holes); at 8192 tokens the packed
-path measured 3-13% faster on the GPU in five of six rows and directions (1% slower in one).
+softcap, document ids, key padding) and, for key padding and document ids, the length. A padded
+call of 4096 tokens or fewer is bound by host time, which FA4's mask_mod path (one FA4 launch and
+its block tables) cuts by 0.6-1.2 ms per call against FA4's key padding path (two packed FA4
+launches, the fills of the rows no call writes, the recompute of rows with holes); at 8192 tokens
+the packed path measured 3-13% faster on the GPU in five of six rows and directions (1% slower
+in one).
 On document ids, FA4's segments path ran the backward faster than the mask_mod path in each of
-the seven batches measured (documents of 128 tokens to 8192), but its forward only in four; it
-pays a fixed share (its segments, the Triton launch for the rows it does not take) that the
-backward, the longer call, hides.
+the six batches measured (documents of 128 tokens to 8192), and the forward in four: all but
+documents of 128 tokens (0.915 against 0.690 ms) and the batch of 4096 tokens a row (0.843
+against 0.312). In those two its host time (about 0.5 ms a call: FA4's, and the Triton launches
+for its segments and for the rows it does not take) exceeds the GPU's work, which waits for it;
+up to 4096 tokens a row the mask_mod path runs the forward.
 ``python -m attn_compile.bench kernels --candidates`` times every kernel the dispatch may choose
 for each benchmark shape and says where this table's order no longer holds.
 """
@@ -47,9 +50,15 @@ TABLE = {  # class: its rows, the shortest bound first
                                  "run D, ring step: causal, offset half a tile")],
     "softcap": [Measured({"triton": 387, "fa4": 303}, {"fa4": 389, "triton": 336}, "TFLOP/s",
                          "run D, MHA 32h d128 causal, softcap 50")],
-    "document ids": [Measured({"fa4 mask_mod": 1.727, "fa4 segments": 1.750, "triton": 2.424},
-                              {"fa4 segments": 5.415, "fa4 mask_mod": 6.218, "triton": 8.638}, "ms",
-                              "H200, each kernel called directly, 9 documents to 32K, MLA 16h (BENCHMARKS.md)")],
+    "document ids": [
+        Measured({"fa4 mask_mod": 0.312, "triton": 0.322, "fa4 segments": 0.843},
+                 {"fa4 segments": 0.786, "fa4 mask_mod": 0.882, "triton": 1.106}, "ms",
+                 "H200, each kernel called directly, Llama-shaped B2 S4096, 3 documents a row (BENCHMARKS.md)",
+                 up_to=4096),
+        Measured({"fa4 segments": 1.501, "fa4 mask_mod": 1.666, "triton": 2.287},
+                 {"fa4 segments": 5.303, "fa4 mask_mod": 6.196, "triton": 8.501}, "ms",
+                 "H200, each kernel called directly, 9 documents to 32K, MLA 16h (BENCHMARKS.md)"),
+    ],
     "document ids, window": [Measured(
         {"triton": 0.347, "fa4 mask_mod": 0.387}, {"triton": 0.872, "fa4 mask_mod": 0.875}, "ms",
         "Mistral-shaped B2 S 4096, GQA 32/8, causal window 1023, its packed rows' documents; the same order at 8192")],

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .triton_run_chunks import chunk_runs, chunk_summaries, chunks
 from .visibility import mask_bytes
 
 UNBOUNDED = 1 << 29
@@ -469,39 +470,17 @@ def position_mask(s, rows, cols, n_cols, before, after, row_docs, ids, HAS_DOCUM
 
 
 @triton.jit
-def _larger(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _document_spans_kernel(ids, stride_b, n, spans, runs, BLOCK: tl.constexpr):
-    """One program per batch row: its ``document_args`` spans and runs flag, in three passes over
-    the row (rising?, then each run's first token forwards, then its end backwards)."""
-    row = ids + tl.program_id(0) * stride_b
-    out = spans + tl.program_id(0) * 2 * n
-    falls = 0
-    for start in range(0, n, BLOCK):
-        i = start + tl.arange(0, BLOCK)
-        inside = (i > 0) & (i < n)
-        falls += tl.sum((tl.load(row + i, mask=inside) < tl.load(row + i - 1, mask=inside)).to(tl.int32), 0)
+def _document_spans_kernel(Ids, stride_b, n, Summary, Spans, Runs):
+    """One program per chunk of a batch row (``triton_run_chunks.py``): its ``document_args`` spans,
+    and the row's runs flag."""
+    positions, inside, _, _, first, end, _, falls = chunk_runs(Ids, stride_b, n, Summary)
+    b = tl.program_id(1)
     rising = falls == 0
-    carry = 0
-    for start in range(0, n, BLOCK):
-        i = start + tl.arange(0, BLOCK)
-        inside = i < n
-        new = (i == 0) | (tl.load(row + i, mask=inside) != tl.load(row + i - 1, mask=inside & (i > 0)))
-        first = tl.maximum(tl.associative_scan(tl.where(new & inside, i, 0), 0, _larger), carry)
-        carry = tl.max(first, 0)
-        tl.store(out + 2 * i, tl.where(rising, first, 0), mask=inside)
-    carry = -n  # the end scan runs over -i from the row's end, so it keeps maxima of -(end) too
-    for back in range(0, n, BLOCK):
-        i = n - 1 - back - tl.arange(0, BLOCK)
-        inside = i >= 0
-        last = (i == n - 1) | (tl.load(row + i, mask=inside) != tl.load(row + i + 1, mask=inside & (i < n - 1)))
-        end = tl.maximum(tl.associative_scan(tl.where(last & inside, -(i + 1), -n), 0, _larger), carry)
-        carry = tl.max(end, 0)
-        tl.store(out + 2 * i + 1, tl.where(rising, -end, n), mask=inside)
-    tl.store(runs + tl.program_id(0), rising.to(tl.int32))
+    spans = Spans + b * 2 * n + 2 * positions
+    tl.store(spans, tl.where(rising, first, 0), mask=inside)
+    tl.store(spans + 1, tl.where(rising, end, n), mask=inside)
+    if tl.program_id(0) == 0:
+        tl.store(Runs + b, rising.to(tl.int32))
 
 
 def scan_block(n):
@@ -523,7 +502,7 @@ def document_args(document_ids):
     spans = torch.empty(batch, n, 2, dtype=torch.int32, device=ids.device)
     runs = torch.empty(batch, dtype=torch.int32, device=ids.device)
     if n:
-        _document_spans_kernel[(batch,)](ids, ids.stride(0), n, spans, runs, BLOCK=scan_block(n))
+        _document_spans_kernel[(chunks(n), batch)](ids, ids.stride(0), n, chunk_summaries(ids), spans, runs)
     return ids, ids.stride(0), spans, runs
 
 

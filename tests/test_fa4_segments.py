@@ -28,6 +28,25 @@ def test_document_segments():
     assert bool_ids.starts.tolist() == [0, 3, 10, 10] and bool_ids.used.tolist() == [3, 7, 0]
 
 
+def test_document_segments_across_chunks():
+    """Rows of several chunks (``triton_run_chunks.CHUNK``, 1024 ids): runs that cross a chunk's
+    edges, a chunk with no run start, and the counts that decide the marks summed over the row (a
+    fall in the last chunk; a budget exceeded only by the row's runs together)."""
+    lengths = (5, 1019, 2000, 500, 76)  # runs cut at 5, 1024 (a chunk's edge), 3024, 3524
+    rising = document_runs(*lengths)
+    falling = rising.clone()
+    falling[3524:] = 2  # the last run's id falls back to the third's: five runs still
+    over = document_runs(*[700] * 5, 100)  # 6 runs, 1 or 2 in each chunk
+    segments = document_segments(torch.stack([rising, falling, over]), 5)
+    starts, used = segments.starts.view(-1)[:-1].view(3, 5), segments.used.view(3, 5)
+    s = 3600
+    assert starts[0].tolist() == [0, 5, 1024, 3024, 3524] and used[0].tolist() == list(lengths)
+    assert used[1:].count_nonzero() == 0 and segments.starts[-1] == 3 * s
+    assert starts[1].tolist() == [s + p for p in (0, 5, 1024, 3024, 3524)]
+    assert starts[2].tolist() == [2 * s + 700 * i for i in range(5)]
+    assert segments.marked.tolist() == [[False] * s] + [[True] * s] * 2
+
+
 SUPPORTS = {  # name: (problem, facts, taken)
     "causal": (_problem(is_causal=True, document_ids=torch.empty(0)), {}, True),
     "gqa, window": (_problem(h_q=8, h_kv=2, window=(8, 0), document_ids=torch.empty(0)), {}, True),

@@ -262,7 +262,7 @@ def test_document_ids_with_key_padding():
     torch.manual_seed(14)
     ids = DOCUMENT_IDS["runs"].t().contiguous().t()  # a last stride of 2: copied for the kernels
     ids[1] = document_runs(10, 25, 13)
-    _check_documents("gqa", ids, is_causal=True, key_padding_mask=_key_padding(2, 48, left=3, right=20).cpu())
+    _check_documents("gqa", ids, is_causal=True, key_padding_mask=_key_padding(2, 48, left=3, right=20))
 
 
 def test_document_spans():
@@ -283,17 +283,18 @@ def test_document_spans():
 
 
 def test_tiles_of_other_documents_are_never_loaded():
-    """Documents on whole 16-row tiles: the middle one's results stay exact with NaN keys and
-    values in every tile of the other two, so none of those tiles was read for it."""
+    """Documents on whole tiles (128 rows, the largest of any configuration): the middle one's
+    results stay exact with NaN keys and values in every tile of the other two, so none of those
+    tiles was read for it."""
     torch.manual_seed(15)
-    ids = document_runs(16, 32, 16)[None].to(DEVICE)
-    q, k, v = make_qkv("gqa", batch=1, s_q=64, device=DEVICE, requires_grad=False)
+    ids = document_runs(128, 128, 128)[None].to(DEVICE)
+    q, k, v = make_qkv("gqa", batch=1, s_q=384, device=DEVICE, requires_grad=False)
     dout = torch.randn(*q.shape[:-1], v.shape[-1], device=DEVICE)
     masking = dict(scale=0.3, is_causal=True)
-    middle = slice(16, 48)
+    middle = slice(128, 256)
     want = _oracle(*(x[:, :, middle] for x in (q, k, v, dout)), **masking)
     for x in (k, v):
-        x[:, :, :16] = x[:, :, 48:] = float("nan")
+        x[:, :, :128] = x[:, :, 256:] = float("nan")
     got = _run(q, k, v, dout, document_ids=ids, **masking)
     _assert_close([x[:, :, middle] for x in got], want, TOL[torch.float32])
 
