@@ -1,7 +1,7 @@
 """(B, S) document ids on FlashAttention-4's varlen kernel, with no host sync: each batch row's runs
 of equal ids are the segments of one packed FA4 call, their cumulative starts and lengths made on
-the device (``triton_segments.py``). Causal masks and windows look only at position
-differences, so inside a run they mean what they mean on the row.
+the device (``triton_segments.py``). Causal masks and windows look only at position differences,
+so inside a run they mean what they mean on the row.
 
 The rows FA4 is given no segment for are computed by the Triton kernels, in place (``into``), with
 the ids: rows whose ids fall (an id may come back after another document) and rows of more runs

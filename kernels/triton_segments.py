@@ -1,5 +1,6 @@
 """(B, S) document ids as the segments of one FlashAttention-4 varlen call (``fa4_segments.py``),
-made on the device in two launches (``triton_run_chunks.py``): no host sync, so a call stays inside a CUDA graph.
+made on the device in two launches over chunks of each row (``triton_run_chunks.py``): no host
+sync, so a call stays inside a CUDA graph.
 
 Each batch row's runs of equal ids are its segments, at most ``budget`` per row: row b owns the
 slots ``[b * budget, (b + 1) * budget)`` of the tables, its runs first, in order, then empty slots

@@ -5,8 +5,9 @@ test_fa4_adapter.py, the marked rows through the Triton kernels) against the flo
 every buffer the path allocates poisoned. The real FA4 runs in tests/test_gpu_fa4.py."""
 import pytest
 import torch
+import triton.language as tl
 
-from attn_compile.kernels import fa4_segments
+from attn_compile.kernels import fa4_segments, triton_run_chunks
 from attn_compile.kernels.documents import same_document_mask
 from attn_compile.kernels.triton_segments import document_segments
 from oracle import errors_against_oracle
@@ -28,10 +29,15 @@ def test_document_segments():
     assert bool_ids.starts.tolist() == [0, 3, 10, 10] and bool_ids.used.tolist() == [3, 7, 0]
 
 
-def test_document_segments_across_chunks():
+@pytest.mark.parametrize("summary_block", [None, 2], ids=["one read", "summaries read 2 at a time"])
+def test_document_segments_across_chunks(summary_block, monkeypatch):
     """Rows of several chunks (``triton_run_chunks.CHUNK``, 1024 ids): runs that cross a chunk's
     edges, a chunk with no run start, and the counts that decide the marks summed over the row (a
-    fall in the last chunk; a budget exceeded only by the row's runs together)."""
+    fall in the last chunk; a budget exceeded only by the row's runs together). Rows of more than
+    a million ids have more summaries than a program reads at once: read 2 at a time, the 4 chunks
+    here take that loop too."""
+    if summary_block is not None:
+        monkeypatch.setattr(triton_run_chunks, "SUMMARY_BLOCK", tl.constexpr(summary_block))
     lengths = (5, 1019, 2000, 500, 76)  # runs cut at 5, 1024 (a chunk's edge), 3024, 3524
     rising = document_runs(*lengths)
     falling = rising.clone()
