@@ -65,7 +65,8 @@ def attention_forward(q, k, v, *, scale, document_ids, is_causal=False, window=(
     out, lse = fa4.dense_results(out, lse, q)
     return triton_attention.attention_forward(q, k, v, scale=scale, is_causal=is_causal, window=window,
                                               softcap=softcap, document_ids=document_ids,
-                                              key_padding_mask=segments.marked, into=(out, lse))
+                                              key_padding_mask=segments.marked, into=(out, lse),
+                                              tables=segments.tables)
 
 
 def attention_backward(dout, q, k, v, out, lse, *, scale, document_ids, is_causal=False, window=(-1, -1),
@@ -80,7 +81,8 @@ def attention_backward(dout, q, k, v, out, lse, *, scale, document_ids, is_causa
     grads = fa4.dense_grads(grads, (q, k, v))
     return triton_attention.attention_backward(dout, q, k, v, out, lse, scale=scale, is_causal=is_causal,
                                                window=window, softcap=softcap, document_ids=document_ids,
-                                               key_padding_mask=segments.marked, into=grads)
+                                               key_padding_mask=segments.marked, into=grads,
+                                               tables=segments.tables)
 
 
 class FA4Segments:

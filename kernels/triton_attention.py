@@ -168,9 +168,11 @@ def _key_padding(key_padding_mask, k):
 
 
 def attention_forward(q, k, v, *, scale, is_causal=False, window=(-1, -1), attn_mask=None, key_padding_mask=None,
-                      q_offset=0, k_offset=0, document_ids=None, softcap=0.0, into=None):
+                      q_offset=0, k_offset=0, document_ids=None, softcap=0.0, into=None, tables=None):
     """Returns (out (B, h_q, S_q, d_v) in q's dtype, lse (B, h_q, S_q) float32): new ones, or
-    ``into``'s (out, lse), written in place but for the sequences with no real key."""
+    ``into``'s (out, lse), written in place but for the sequences with no real key. ``tables``:
+    the kernels' arguments for ``key_padding_mask`` and ``document_ids`` (``triton_tiles.mask_args``),
+    where the caller made them already."""
     _check_scale_and_mask(scale, attn_mask, softcap)
     q, k, v = _check_inputs(q, k, v)
     k, v = _descriptor_ready(k, v)
@@ -183,14 +185,15 @@ def attention_forward(q, k, v, *, scale, is_causal=False, window=(-1, -1), attn_
     else:
         out, lse = _check_into(into, ("out", "lse"), key_padding, (*q.shape[:-1], v.shape[-1]), q.shape[:-1])
     forward(q, k, v, out, lse, None, None, q.shape[2], k.shape[2], scale, before, after, key_padding, documents,
-            softcap, keyed_only=into is not None)
+            softcap, keyed_only=into is not None, tables=tables)
     return out, lse
 
 
 def attention_backward(dout, q, k, v, out, lse, *, scale, is_causal=False, window=(-1, -1), attn_mask=None,
-                       key_padding_mask=None, q_offset=0, k_offset=0, document_ids=None, softcap=0.0, into=None):
+                       key_padding_mask=None, q_offset=0, k_offset=0, document_ids=None, softcap=0.0, into=None,
+                       tables=None):
     """(dq, dk, dv) given the final out and lse, which may merge this call with others: new ones,
-    or ``into``'s, written in place but for the sequences with no real key."""
+    or ``into``'s, written in place but for the sequences with no real key; ``tables`` as in the forward."""
     _check_scale_and_mask(scale, attn_mask, softcap)
     q, k, v = _descriptor_ready(*_check_inputs(q, k, v))
     key_padding = _key_padding(key_padding_mask, k)
@@ -202,7 +205,7 @@ def attention_backward(dout, q, k, v, out, lse, *, scale, is_causal=False, windo
     else:
         dq, dk, dv = _check_into(into, ("dq", "dk", "dv"), key_padding, q.shape, k.shape, v.shape)
     backward(dout, q, k, v, out, lse, dq, dk, dv, None, None, q.shape[2], k.shape[2], scale, before, after,
-             key_padding, documents, softcap, keyed_only=into is not None)
+             key_padding, documents, softcap, keyed_only=into is not None, tables=tables)
     return dq, dk, dv
 
 

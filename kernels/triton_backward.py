@@ -17,10 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_tiles import (LOG2E, autotune, capped, document_args, document_rows, document_tiles, dot_precision,
-                           head_blocks, head_start, key_padding_args, key_walk, launch, load_rows, padding_bounds,
-                           position_mask, query_block, real_keys, seq_bucket, sequence, short_walk, store_tile,
-                           tile_ranges, walk_rows, walk_tile, walked)
+from .triton_tiles import (LOG2E, autotune, capped, document_rows, document_tiles, dot_precision, head_blocks,
+                           head_start, key_walk, launch, load_rows, mask_args, padding_bounds, position_mask,
+                           query_block, real_keys, seq_bucket, sequence, short_walk, store_tile, tile_ranges,
+                           walk_rows, walk_tile, walked)
 
 
 @triton.jit
@@ -281,9 +281,10 @@ def _packed(grad, varlen):
 
 
 def backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-             scale, before, after, key_padding_mask=None, document_ids=None, softcap=0.0, keyed_only=False):
+             scale, before, after, key_padding_mask=None, document_ids=None, softcap=0.0, keyed_only=False,
+             tables=None):
     """Fills ``dq``, ``dk`` and ``dv`` in place; layouts, ``key_padding_mask``, ``document_ids``,
-    ``softcap`` and ``keyed_only`` as in ``triton_forward.forward``."""
+    ``softcap``, ``keyed_only`` and ``tables`` as in ``triton_forward.forward``."""
     batch, h_q, s_q = q.shape[:3]
     h_kv = k.shape[1]
     d_qk, d_v = q.shape[-1], v.shape[-1]
@@ -296,7 +297,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, ma
                   HAS_KEY_PADDING=key_padding_mask is not None, HAS_DOCUMENTS=document_ids is not None,
                   SOFTCAP=softcap > 0, PRECISION=dot_precision(q.dtype), SHORT_WALK=short, OWN_WALK=own,
                   KEYED_ONLY=keyed_only, seq_bucket=seq_bucket(max_seqlen_q, max_seqlen_k))
-    mask_args = (*key_padding_args(key_padding_mask), *document_args(document_ids))
+    masks = tables or mask_args(key_padding_mask, document_ids)
     qk_scale = scale * LOG2E.value
 
     def dq_grid(meta):
@@ -304,7 +305,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, ma
 
     launch(
         _dq_kernel, dq_grid, q.device,
-        q, walked(k, own), walked(v, own), dout, out, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *mask_args,
+        q, walked(k, own), walked(v, own), dout, out, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *masks,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *out.stride()[:3],
         *lse.stride(), *delta.stride(), *dq.stride()[:3],
         max_seqlen_q, max_seqlen_k, group, before, after, qk_scale, scale, softcap / scale, **common,
@@ -326,7 +327,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, ma
         launch(
             _dkdv_kernel, dkdv_grid, q.device,
             walked(q, own), k, v, walked(dout, own), lse, delta, dk_parts, dv_parts, cu_seqlens_q, cu_seqlens_k,
-            *mask_args, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *lse.stride(),
+            *masks, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *lse.stride(),
             *delta.stride(), dk_parts.stride(0), *dk_parts.stride()[1:4], dv_parts.stride(0), *dv_parts.stride()[1:4],
             max_seqlen_q, max_seqlen_k, group, parts, before, after, qk_scale, scale, softcap / scale, **common,
             DK=with_dk, DV=with_dv,

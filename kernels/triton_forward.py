@@ -15,9 +15,9 @@ mask (``triton_tiles.capped``), with the SOFTCAP constexpr, so calls without one
 import triton
 import triton.language as tl
 
-from .triton_tiles import (LN2, LOG2E, autotune, capped, document_args, dot_precision, head_blocks, head_start,
-                           key_padding_args, key_walk, launch, load_rows, position_mask, query_block, real_keys,
-                           seq_bucket, short_walk, store_tile, walk_tile, walked)
+from .triton_tiles import (LN2, LOG2E, autotune, capped, dot_precision, head_blocks, head_start, key_walk, launch,
+                           load_rows, mask_args, position_mask, query_block, real_keys, seq_bucket, short_walk,
+                           store_tile, walk_tile, walked)
 
 
 @triton.jit
@@ -108,11 +108,12 @@ def _forward_kernel(Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, KeyPadding, s
 
 
 def forward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, before, after,
-            key_padding_mask=None, document_ids=None, softcap=0.0, keyed_only=False):
+            key_padding_mask=None, document_ids=None, softcap=0.0, keyed_only=False, tables=None):
     """Fills ``out`` (B, H_q, S_q, d_v) and ``lse`` (B, H_q, S_q) float32 in place;
     ``key_padding_mask`` is None or (B, S_k) bool with a unit last stride; ``document_ids`` None
     or (B, S) ids of a dense call with S_q == S_k; ``softcap`` > 0 caps the scaled scores;
-    ``keyed_only``: the sequences whose mask has no real key are left as they are."""
+    ``keyed_only``: the sequences whose mask has no real key are left as they are; ``tables``:
+    ``mask_args`` of the mask and ids, where the caller made them already."""
     batch, h_q = q.shape[:2]
     d_qk, d_v = q.shape[-1], v.shape[-1]
     varlen = cu_seqlens_q is not None
@@ -123,7 +124,7 @@ def forward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     launch(
         _forward_kernel, grid, q.device,
         q, walked(k, varlen), walked(v, varlen), out, lse, cu_seqlens_q, cu_seqlens_k,
-        *key_padding_args(key_padding_mask), *document_args(document_ids),
+        *(tables or mask_args(key_padding_mask, document_ids)),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *lse.stride(),
         max_seqlen_q, max_seqlen_k, h_q // k.shape[1], before, after, scale * LOG2E.value, softcap / scale,
         seq_bucket=seq_bucket(max_seqlen_q, max_seqlen_k),

@@ -470,10 +470,10 @@ def position_mask(s, rows, cols, n_cols, before, after, row_docs, ids, HAS_DOCUM
 
 
 @triton.jit
-def _document_spans_kernel(Ids, stride_b, n, Summary, Spans, Runs):
-    """One program per chunk of a batch row (``triton_run_chunks.py``): its ``document_args`` spans,
-    and the row's runs flag."""
-    positions, inside, _, _, first, end, _, falls = chunk_runs(Ids, stride_b, n, Summary)
+def store_spans(Spans, Runs, n, positions, inside, first, end, falls):
+    """Writes the ``document_args`` spans of this program's chunk of a batch row (program ids:
+    chunk, batch row; the rest as ``chunk_runs`` gives them) and, from the row's first chunk, its
+    runs flag."""
     b = tl.program_id(1)
     rising = falls == 0
     spans = Spans + b * 2 * n + 2 * positions
@@ -483,10 +483,23 @@ def _document_spans_kernel(Ids, stride_b, n, Summary, Spans, Runs):
         tl.store(Runs + b, rising.to(tl.int32))
 
 
+@triton.jit
+def _document_spans_kernel(Ids, stride_b, n, Summary, Spans, Runs):
+    """One program per chunk of a batch row (``triton_run_chunks.py``)."""
+    positions, inside, _, _, first, end, _, falls = chunk_runs(Ids, stride_b, n, Summary)
+    store_spans(Spans, Runs, n, positions, inside, first, end, falls)
+
+
 def scan_block(n):
     """Positions per step of a kernel whose one program scans a batch row of ``n``: its steps run one
     after another, so they are few and wide."""
     return min(8192, triton.next_power_of_2(max(n, 1)))
+
+
+def document_tables(batch, n, device):
+    """Uninitialised int32 (B, S, 2) spans and (B,) runs flags of ``document_args``."""
+    return (torch.empty(batch, n, 2, dtype=torch.int32, device=device),
+            torch.empty(batch, dtype=torch.int32, device=device))
 
 
 def document_args(document_ids):
@@ -499,8 +512,7 @@ def document_args(document_ids):
         return None, 0, None, None
     ids = mask_bytes(document_ids)
     batch, n = ids.shape
-    spans = torch.empty(batch, n, 2, dtype=torch.int32, device=ids.device)
-    runs = torch.empty(batch, dtype=torch.int32, device=ids.device)
+    spans, runs = document_tables(batch, n, ids.device)
     if n:
         _document_spans_kernel[(chunks(n), batch)](ids, ids.stride(0), n, chunk_summaries(ids), spans, runs)
     return ids, ids.stride(0), spans, runs
@@ -532,6 +544,11 @@ def key_padding_args(key_padding_mask):
     _padding_bounds_kernel[(mask.shape[0],)](mask, mask.stride(0), mask.shape[1], bounds,
                                              BLOCK=scan_block(mask.shape[1]))
     return mask, mask.stride(0), bounds
+
+
+def mask_args(key_padding_mask, document_ids):
+    """``key_padding_args`` then ``document_args``: the mask arguments every kernel takes."""
+    return (*key_padding_args(key_padding_mask), *document_args(document_ids))
 
 
 @triton.jit

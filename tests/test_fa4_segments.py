@@ -10,9 +10,19 @@ import triton.language as tl
 from attn_compile.kernels import fa4_segments, triton_run_chunks
 from attn_compile.kernels.documents import same_document_mask
 from attn_compile.kernels.triton_segments import document_segments
+from attn_compile.kernels.triton_tiles import mask_args
 from oracle import errors_against_oracle
 from shapes import document_runs
 from test_fa4_adapter import _on, _problem, poisoned_empty, standin  # noqa: F401 (fixtures)
+
+
+def assert_tables(segments, ids):
+    """The Triton kernels' arguments made beside the segments are those ``mask_args`` makes from
+    the marks as key padding and the ids (spans, runs flags, padding bounds)."""
+    expected = mask_args(segments.marked, ids)
+    assert len(segments.tables) == len(expected)
+    for made, want in zip(segments.tables, expected):
+        assert torch.equal(made, want) if isinstance(want, torch.Tensor) else made == want
 
 
 def test_document_segments():
@@ -25,8 +35,10 @@ def test_document_segments():
     assert segments.starts.tolist() == [0, 3, 5, 10, 10, 20, 20, 20, 20, 21, 22, 30, 30, 31, 32, 33, 40]
     assert segments.used.tolist() == [3, 2, 5, 0, 10, 0, 0, 0] + [0] * 8
     assert segments.marked.tolist() == [[False] * 10] * 2 + [[True] * 10] * 2
+    assert_tables(segments, ids)
     bool_ids = document_segments(ids[:1].bool(), 3)  # False, then True: two runs
     assert bool_ids.starts.tolist() == [0, 3, 10, 10] and bool_ids.used.tolist() == [3, 7, 0]
+    assert_tables(bool_ids, ids[:1].bool())
 
 
 @pytest.mark.parametrize("summary_block", [None, 2], ids=["one read", "summaries read 2 at a time"])
@@ -43,7 +55,9 @@ def test_document_segments_across_chunks(summary_block, monkeypatch):
     falling = rising.clone()
     falling[3524:] = 2  # the last run's id falls back to the third's: five runs still
     over = document_runs(*[700] * 5, 100)  # 6 runs, 1 or 2 in each chunk
-    segments = document_segments(torch.stack([rising, falling, over]), 5)
+    ids = torch.stack([rising, falling, over])
+    segments = document_segments(ids, 5)
+    assert_tables(segments, ids)
     starts, used = segments.starts.view(-1)[:-1].view(3, 5), segments.used.view(3, 5)
     s = 3600
     assert starts[0].tolist() == [0, 5, 1024, 3024, 3524] and used[0].tolist() == list(lengths)
