@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch_math import cdiv
 from .triton_tiles import (LOG2E, autotune, capped, document_rows, document_tiles, dot_precision, head_blocks,
                            head_start, key_walk, launch, load_rows, mask_args, padding_bounds, position_mask,
                            query_block, real_keys, seq_bucket, sequence, short_walk, store_tile, tile_ranges,
@@ -271,8 +272,8 @@ def _group_parts(device, group, programs):
     waves of programs. The interpreter has no multiprocessors; its target of 16 makes small
     tests take the split path too."""
     target = 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
-    heads = triton.cdiv(group, min(group, triton.cdiv(target, max(programs, 1))))  # no keys: no programs
-    return triton.cdiv(group, heads)
+    heads = cdiv(group, min(group, cdiv(target, max(programs, 1))))  # no keys: no programs
+    return cdiv(group, heads)
 
 
 def _packed(grad, varlen):
@@ -301,7 +302,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, ma
     qk_scale = scale * LOG2E.value
 
     def dq_grid(meta):
-        return triton.cdiv(max_seqlen_q, meta["BLOCK_M"]), h_q, batch
+        return cdiv(max_seqlen_q, meta["BLOCK_M"]), h_q, batch
 
     launch(
         _dq_kernel, dq_grid, q.device,
@@ -312,7 +313,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, ma
     )
 
     # 128: the widest key block. keyed_only writes dK and dV in place, which partial sums would overwrite.
-    parts = 1 if keyed_only else _group_parts(q.device, group, triton.cdiv(max_seqlen_k, 128) * h_kv * batch)
+    parts = 1 if keyed_only else _group_parts(q.device, group, cdiv(max_seqlen_k, 128) * h_kv * batch)
     if parts == 1:
         dk_parts, dv_parts = dk.unsqueeze(0), dv.unsqueeze(0)
     else:  # float32 partial sums, one per part, added up below
@@ -320,7 +321,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, ma
                               .expand(parts, *grad.shape) for grad in (dk, dv))
 
     def dkdv_grid(meta):
-        return triton.cdiv(max_seqlen_k, meta["BLOCK_N"]), h_kv * parts, batch
+        return cdiv(max_seqlen_k, meta["BLOCK_N"]), h_kv * parts, batch
 
     launches = ((True, False), (False, True)) if split_grads(d_qk, d_v) else ((True, True),)
     for with_dk, with_dv in launches:

@@ -15,6 +15,7 @@ mask (``triton_tiles.capped``), with the SOFTCAP constexpr, so calls without one
 import triton
 import triton.language as tl
 
+from .launch_math import cdiv
 from .triton_tiles import (LN2, LOG2E, autotune, capped, dot_precision, head_blocks, head_start, key_walk, launch,
                            load_rows, mask_args, position_mask, query_block, real_keys, seq_bucket, short_walk,
                            store_tile, walk_tile, walked)
@@ -119,7 +120,7 @@ def forward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     varlen = cu_seqlens_q is not None
 
     def grid(meta):
-        return triton.cdiv(max_seqlen_q, meta["BLOCK_M"]), h_q, batch
+        return cdiv(max_seqlen_q, meta["BLOCK_M"]), h_q, batch
 
     launch(
         _forward_kernel, grid, q.device,

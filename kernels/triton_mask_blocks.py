@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch_math import cdiv, next_power_of_2
+
 BLOCK_COLUMNS = 16
 
 
@@ -107,14 +109,14 @@ def mask_blocks(ids, query_block, key_block, window, rows_are_queries=True, keys
     ``keys_only``: the ids are the keys' (a key padding mask as 0 and 1), every query's is 1."""
     batch, s = ids.shape
     row_size, column_size = (query_block, key_block) if rows_are_queries else (key_block, query_block)
-    rows, columns = triton.cdiv(s, row_size), triton.cdiv(s, column_size)
+    rows, columns = cdiv(s, row_size), cdiv(s, column_size)
     device = ids.device
     counts = torch.empty(2, batch, 1, rows, dtype=torch.int32, device=device)
     indices = torch.empty(2, batch, 1, rows, columns, dtype=torch.int32, device=device)
     _blocks_kernel[(batch, rows)](
         ids, counts[0], indices[0], counts[1], indices[1], s, ids.stride(0),
         ids.stride(1), row_size, column_size, rows, columns, *window,
-        ROW_SIZE=triton.next_power_of_2(row_size), COLUMN_SIZE=triton.next_power_of_2(column_size),
+        ROW_SIZE=next_power_of_2(row_size), COLUMN_SIZE=next_power_of_2(column_size),
         ROWS_ARE_QUERIES=rows_are_queries, ROW_IDS_ONE=keys_only and rows_are_queries,
         COLUMN_IDS_ONE=keys_only and not rows_are_queries, BLOCK=BLOCK_COLUMNS)
     return BlockTables(counts[0], indices[0], counts[1], indices[1])

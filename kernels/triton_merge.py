@@ -5,6 +5,8 @@ A side with LSE -inf saw no key and contributes nothing, whatever its output hol
 import triton
 import triton.language as tl
 
+from .launch_math import cdiv, next_power_of_2
+
 BLOCK_ROWS = 32
 
 
@@ -57,9 +59,9 @@ def merge(out_a, lse_a, out_b, lse_b, out, lse):
     (n0, n1, n2), any strides."""
     n_rows = lse.numel()
     d = out.shape[-1]
-    grid = (triton.cdiv(n_rows, BLOCK_ROWS),)
+    grid = (cdiv(n_rows, BLOCK_ROWS),)
     _merge_kernel[grid](
         out_a, lse_a, out_b, lse_b, out, lse, n_rows, out.shape[1], out.shape[2],
         *out_a.stride()[:3], *out_b.stride()[:3], *out.stride()[:3], *lse_a.stride(), *lse_b.stride(), *lse.stride(),
-        D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_R=BLOCK_ROWS,
+        D=d, BLOCK_D=next_power_of_2(d), BLOCK_R=BLOCK_ROWS,
     )

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch_math import cdiv
+
 CHUNK = tl.constexpr(1024)
 FIELDS = tl.constexpr(4)  # numbers per chunk's summary
 SUMMARY_BLOCK = tl.constexpr(1024)  # summaries a program reads at a time
@@ -57,7 +59,7 @@ def _summary_kernel(Ids, stride_b, s, Summary):
 
 def chunks(s: int) -> int:
     """Programs per row of ``s`` ids: the second launch's grid is (chunks, B)."""
-    return triton.cdiv(s, CHUNK.value)
+    return cdiv(s, CHUNK.value)
 
 
 def chunk_summaries(ids: torch.Tensor) -> torch.Tensor:

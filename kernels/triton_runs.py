@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch_math import cdiv, next_power_of_2
 from .visibility import mask_bytes
 
 BLOCK_ROWS = 32
@@ -76,7 +77,7 @@ def find_runs(key_padding_mask) -> Runs:
     batch, s = key_padding_mask.shape
     mask = mask_bytes(key_padding_mask)
     table = torch.empty(len(Runs._fields), batch + 1, dtype=torch.int32, device=mask.device)
-    _find_runs_kernel[(batch + 1,)](mask, table, batch, s, *mask.stride(), BLOCK=min(triton.next_power_of_2(s), 1024))
+    _find_runs_kernel[(batch + 1,)](mask, table, batch, s, *mask.stride(), BLOCK=min(next_power_of_2(s), 1024))
     return Runs(*table[:3], *table[3:, :batch])
 
 
@@ -138,8 +139,8 @@ def _finish_key_grads_kernel(Grad, Part, Rows, Starts, Lengths, PartKeys, s, n_c
 
 def _grid(into, batch, longest):
     n_cols = into.shape[1] * into.shape[2]
-    block_c = min(triton.next_power_of_2(n_cols), 256)
-    return (triton.cdiv(longest, BLOCK_ROWS), batch, triton.cdiv(n_cols, block_c)), n_cols, block_c
+    block_c = min(next_power_of_2(n_cols), 256)
+    return (cdiv(longest, BLOCK_ROWS), batch, cdiv(n_cols, block_c)), n_cols, block_c
 
 
 def fill_runs(into, starts, lengths, longest, value):

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .launch_math import next_power_of_2
 from .triton_run_chunks import chunk_runs, chunk_summaries, chunks
 from .visibility import mask_bytes
 
@@ -209,7 +210,7 @@ def seq_bucket(max_seqlen_q: int, max_seqlen_k: int) -> int:
     were kept for every length: after S=256, GQA+MLA's forward at 4096 ran 12% slower and the
     backwards 3-4% (BENCHMARKS.md). Powers of two of 16 or more compile to the same kernel, so
     a new bucket re-times the configurations (1.5-2.6 s) without compiling them again."""
-    return max(16, triton.next_power_of_2(max(max_seqlen_q, max_seqlen_k)))
+    return max(16, next_power_of_2(max(max_seqlen_q, max_seqlen_k)))
 
 
 def short_walk(before: int, after: int) -> bool:
@@ -222,7 +223,7 @@ def short_walk(before: int, after: int) -> bool:
 
 def head_blocks(d: int) -> int:
     """The tile width for a head dim: a power of two, at least 16 for the tensor cores."""
-    return max(16, triton.next_power_of_2(d))
+    return max(16, next_power_of_2(d))
 
 
 @triton.jit
@@ -493,7 +494,7 @@ def _document_spans_kernel(Ids, stride_b, n, Summary, Spans, Runs):
 def scan_block(n):
     """Positions per step of a kernel whose one program scans a batch row of ``n``: its steps run one
     after another, so they are few and wide."""
-    return min(8192, triton.next_power_of_2(max(n, 1)))
+    return min(8192, next_power_of_2(max(n, 1)))
 
 
 def document_tables(batch, n, device):

@@ -24,6 +24,7 @@ pytest.importorskip("triton", reason="the Triton kernels need the triton package
 
 from attn_compile.kernels import reference, triton_attention as ta, triton_backward  # noqa: E402
 from attn_compile.kernels.documents import same_document_mask  # noqa: E402
+from attn_compile.kernels.launch_math import cdiv, next_power_of_2  # noqa: E402
 from attn_compile.kernels.problem import Problem  # noqa: E402
 from attn_compile.kernels.triton_backward import _dkdv_kernel, _dq_kernel  # noqa: E402
 from attn_compile.kernels.triton_forward import _forward_kernel  # noqa: E402
@@ -489,6 +490,17 @@ def test_supports():
     for change in (dict(device_type="cpu"), dict(has_mask=True),
                    dict(dtype=torch.float64), dict(d_qk=320)):
         assert not ta.supports(replace(base, **change)), change
+
+
+def test_launch_math_matches_triton():
+    """The host side's cdiv and next_power_of_2 (kernels/launch_math.py, cheaper to call) agree
+    with Triton's on the sizes the launches give them."""
+    import triton
+
+    sizes = [*range(1, 5000), *(2 ** e + delta for e in range(12, 29) for delta in (-1, 0, 1))]
+    assert [next_power_of_2(n) for n in sizes] == [triton.next_power_of_2(n) for n in sizes]
+    pairs = [(a, b) for a in range(0, 3000, 7) for b in (1, 16, 64, 128, 1024)]
+    assert [cdiv(a, b) for a, b in pairs] == [triton.cdiv(a, b) for a, b in pairs]
 
 
 def test_float32_dots_follow_the_matmul_precision(matmul_precision):
