@@ -190,11 +190,16 @@ def _first_line(error) -> str:
 
 
 def _log_rejected(kernel, config, error) -> None:
+    """Logged once per kernel, configuration and error. A configuration that needs more shared
+    memory than the GPU has is an expected rejection (the d 256 tiles on sm90; Triton's own
+    autotuner drops them silently), so it is logged at debug level; any other failure is a
+    warning."""
     seen = (kernel, str(config), type(error), _first_line(error))
     if seen not in _LOGGED:
         _LOGGED.add(seen)
-        log.warning("Triton kernel %s: configuration %s failed to compile or load and is not used (%s: %s)",
-                    kernel.fn.__name__, config, type(error).__name__, _first_line(error))
+        level = logging.DEBUG if isinstance(error, triton.runtime.errors.OutOfResources) else logging.WARNING
+        log.log(level, "Triton kernel %s: configuration %s failed to compile or load and is not used (%s: %s)",
+                kernel.fn.__name__, config, type(error).__name__, _first_line(error))
 
 
 def dot_precision(dtype: torch.dtype) -> str:
