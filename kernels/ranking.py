@@ -10,12 +10,13 @@ its block tables) cuts by 0.6-1.2 ms per call against FA4's key padding path (tw
 launches, the fills of the rows no call writes, the recompute of rows with holes); at 8192 tokens
 the packed path measured 3-13% faster on the GPU in five of six rows and directions (1% slower
 in one).
-On document ids, FA4's segments path ran the backward faster than the mask_mod path in each of
-the six batches measured (documents of 128 tokens to 8192), and the forward in four: all but
-documents of 128 tokens (0.915 against 0.690 ms) and the batch of 4096 tokens a row (0.843
-against 0.312). In those two its host time (about 0.5 ms a call: FA4's, and the Triton launches
-for its segments and for the rows it does not take) exceeds the GPU's work, which waits for it;
-up to 4096 tokens a row the mask_mod path runs the forward.
+On document ids beyond 4096 tokens FA4's segments path runs both directions: it was the faster
+FA4 path in every batch measured there but one forward (documents of 128 tokens, run M). Up to
+4096 tokens a call is bound by host time, and the segments path's (about 1 ms a backward: FA4's,
+and the Triton launches for its segments and for the rows it does not take) exceeds its GPU
+work; there Triton runs the forward and the mask_mod path the backward (run O). Triton's and the mask_mod path's forwards differ by less than
+their spread between machines (run M measured them 0.322 and 0.312 ms, run O 0.330 and 0.354),
+and their host times decide (0.20 against 0.35 ms a call in run O).
 ``python -m attn_compile.bench kernels --candidates`` times every kernel the dispatch may choose
 for each benchmark shape and says where this table's order no longer holds.
 """
@@ -51,9 +52,9 @@ TABLE = {  # class: its rows, the shortest bound first
     "softcap": [Measured({"triton": 387, "fa4": 303}, {"fa4": 389, "triton": 336}, "TFLOP/s",
                          "run D, MHA 32h d128 causal, softcap 50")],
     "document ids": [
-        Measured({"fa4 mask_mod": 0.312, "triton": 0.322, "fa4 segments": 0.843},
-                 {"fa4 segments": 0.786, "fa4 mask_mod": 0.882, "triton": 1.106}, "ms",
-                 "H200, each kernel called directly, Llama-shaped B2 S4096, 3 documents a row (BENCHMARKS.md)",
+        Measured({"triton": 0.330, "fa4 mask_mod": 0.354, "fa4 segments": 0.661},
+                 {"fa4 mask_mod": 0.888, "fa4 segments": 0.998, "triton": 1.134}, "ms",
+                 "H200, each kernel called directly, Llama-shaped B2 S4096, 3 documents a row (BENCHMARKS.md, run O)",
                  up_to=4096),
         Measured({"fa4 segments": 1.501, "fa4 mask_mod": 1.666, "triton": 2.287},
                  {"fa4 segments": 5.303, "fa4 mask_mod": 6.196, "triton": 8.501}, "ms",

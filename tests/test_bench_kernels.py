@@ -18,7 +18,7 @@ CANDIDATES = {  # name: (problem, [(kernel, takes the forward, takes the backwar
         _problem(is_causal=True, window=(8, -1), key_padding_mask=torch.empty(0)),
         [("triton", True, True), ("fa4 mask_mod", True, True)]),
     "document ids": (_problem(h_q=8, h_kv=2, is_causal=True, document_ids=torch.empty(0)),
-                     [("fa4 mask_mod", True, True), ("triton", True, True), ("fa4 segments", True, True)]),
+                     [("triton", True, True), ("fa4 mask_mod", True, True), ("fa4 segments", True, True)]),
     "document ids, 8192 tokens": (_problem(h_q=8, h_kv=2, s_q=8192, s_k=8192, is_causal=True,
                                            document_ids=torch.empty(0)),
                                   [("fa4 segments", True, True), ("fa4 mask_mod", True, True), ("triton", True, True)]),

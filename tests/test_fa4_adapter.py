@@ -154,7 +154,7 @@ DISPATCH = {  # name: (problem, forward kernel, backward kernel)
     "causal": (_problem(is_causal=True), "fa4", "fa4"),
     "softcap": (_problem(is_causal=True, softcap=30.0), "triton", "fa4"),
     "gqa+mla": (_problem(h_q=8, h_kv=2, d_qk=192, d_v=128, is_causal=True), "fa4", "cudnn"),
-    "document ids": (_problem(is_causal=True, document_ids=torch.empty(0)), "fa4 mask_mod", "fa4 segments"),
+    "document ids": (_problem(is_causal=True, document_ids=torch.empty(0)), "triton", "fa4 mask_mod"),
     "document ids, 8192 tokens": (_problem(s_q=8192, s_k=8192, is_causal=True, document_ids=torch.empty(0)),
                                   "fa4 segments", "fa4 segments"),
     "document ids, d 256": (_problem(d_qk=256, d_v=256, is_causal=True, document_ids=torch.empty(0)),

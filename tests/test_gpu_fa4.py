@@ -234,7 +234,7 @@ DISPATCH = {  # name: (h_q, h_kv, d_qk, d_v, masking, expected)
     "ring tile, causal at an offset": (8, 2, 128, 128, dict(is_causal=True, q_offset=256, k_offset=0), "fa4"),
     "tile FA4 cannot align": (8, 2, 128, 128, dict(window=(-1, 8), q_offset=0, k_offset=20), "triton"),
     "document ids": (8, 2, 128, 128, dict(is_causal=True, document_ids=torch.zeros(1, 256, dtype=torch.int32)),
-                     "fa4 mask_mod (backward fa4 segments)"),
+                     "triton (backward fa4 mask_mod)"),
     "document ids, window": (8, 2, 128, 128, dict(window=(64, 0), document_ids=torch.zeros(1, 256, dtype=torch.int32)),
                              "triton"),
     "key padding": (8, 2, 128, 128, dict(is_causal=True, key_padding_mask=torch.ones(1, 256, dtype=torch.bool)),
