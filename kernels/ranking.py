@@ -14,9 +14,10 @@ On document ids beyond 4096 tokens FA4's segments path runs both directions: it 
 FA4 path in every batch measured there but one forward (documents of 128 tokens, run M). Up to
 4096 tokens a call is bound by host time, and the segments path's (about 1 ms a backward: FA4's,
 and the Triton launches for its segments and for the rows it does not take) exceeds its GPU
-work; there Triton runs the forward and the mask_mod path the backward (run O). Triton's and the mask_mod path's forwards differ by less than
-their spread between machines (run M measured them 0.322 and 0.312 ms, run O 0.330 and 0.354),
-and their host times decide (0.20 against 0.35 ms a call in run O).
+work; there Triton runs the forward and the mask_mod path the backward (run O). Triton's and
+the mask_mod path's forwards differ by less than their spread between machines (run M measured
+them 0.322 and 0.312 ms, run O 0.330 and 0.354), and their host times decide (0.20 against 0.35
+ms a call in run O).
 ``python -m attn_compile.bench kernels --candidates`` times every kernel the dispatch may choose
 for each benchmark shape and says where this table's order no longer holds.
 """

@@ -72,5 +72,5 @@ def document_segments(ids, budget) -> Segments:
     bounds = torch.empty(batch, 2, dtype=torch.int32, device=ids.device)
     _segments_kernel[(chunks(s), batch)](ids, ids.stride(0), s, batch, budget, chunk_summaries(ids), starts, used,
                                          marked.view(torch.int8), spans, runs, bounds)
-    tables = (marked.view(torch.uint8), s, bounds, ids, ids.stride(0), spans, runs)
-    return Segments(starts, used, marked, tables)
+    marks = marked.view(torch.uint8)  # as key_padding_args hands a mask to the kernels
+    return Segments(starts, used, marked, (marks, marks.stride(0), bounds, ids, ids.stride(0), spans, runs))
