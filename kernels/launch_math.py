@@ -12,3 +12,9 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(n - 1, 0).bit_length()
+
+
+def scan_block(n: int) -> int:
+    """Positions per step of a kernel whose one program scans a batch row of ``n``: its steps run one
+    after another, so they are few and wide."""
+    return min(8192, next_power_of_2(max(n, 1)))

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch_math import cdiv, next_power_of_2
+from .launch_math import cdiv, next_power_of_2, scan_block
 from .visibility import mask_bytes
 
 BLOCK_ROWS = 32
@@ -77,7 +77,7 @@ def find_runs(key_padding_mask) -> Runs:
     batch, s = key_padding_mask.shape
     mask = mask_bytes(key_padding_mask)
     table = torch.empty(len(Runs._fields), batch + 1, dtype=torch.int32, device=mask.device)
-    _find_runs_kernel[(batch + 1,)](mask, table, batch, s, *mask.stride(), BLOCK=min(next_power_of_2(s), 1024))
+    _find_runs_kernel[(batch + 1,)](mask, table, batch, s, *mask.stride(), BLOCK=scan_block(s))
     return Runs(*table[:3], *table[3:, :batch])
 
 

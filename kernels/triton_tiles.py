@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .launch_math import next_power_of_2
+from .launch_math import next_power_of_2, scan_block
 from .triton_run_chunks import chunk_runs, chunk_summaries, chunks
 from .visibility import mask_bytes
 
@@ -494,12 +494,6 @@ def _document_spans_kernel(Ids, stride_b, n, Summary, Spans, Runs):
     """One program per chunk of a batch row (``triton_run_chunks.py``)."""
     positions, inside, _, _, first, end, _, falls = chunk_runs(Ids, stride_b, n, Summary)
     store_spans(Spans, Runs, n, positions, inside, first, end, falls)
-
-
-def scan_block(n):
-    """Positions per step of a kernel whose one program scans a batch row of ``n``: its steps run one
-    after another, so they are few and wide."""
-    return min(8192, next_power_of_2(max(n, 1)))
 
 
 def document_tables(batch, n, device):
