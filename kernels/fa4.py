@@ -38,6 +38,7 @@ import functools
 import torch
 
 from .documents import packed, unpacked
+from .kernel import Kernel
 from .problem import Problem
 from .result_layout import as_grad, as_out, empty_out
 from .visibility import effective_window
@@ -241,17 +242,5 @@ def supports_varlen(p: Problem) -> bool:
     return not p.offset and supports(dataclasses.replace(p, s_k=p.s_q, k_shift=0))
 
 
-class FA4:
-    """The dense kernels as dispatch.py sees a kernel."""
-    name = "fa4"
-    supports = staticmethod(supports)
-    forward = staticmethod(attention_forward)
-    backward = staticmethod(attention_backward)
-
-
-class FA4Varlen:
-    """The packed-document kernels as dispatch.py sees a varlen kernel."""
-    name = "fa4"
-    supports = staticmethod(supports_varlen)
-    forward = staticmethod(varlen_forward)
-    backward = staticmethod(varlen_backward)
+FA4 = Kernel("fa4", supports, attention_forward, attention_backward)
+FA4Varlen = Kernel("fa4", supports_varlen, varlen_forward, varlen_backward)  # packed documents

@@ -25,6 +25,7 @@ import functools
 import torch
 
 from . import fa4
+from .kernel import Kernel
 from .problem import Problem
 from .result_layout import empty_out
 from .visibility import effective_window, mask_bytes
@@ -123,9 +124,4 @@ def attention_backward(dout, q, k, v, out, lse, *, scale, document_ids=None, key
     return dq, dk, dv
 
 
-class FA4MaskMod:
-    """The kernel as dispatch.py sees it: document ids or key padding."""
-    name = "fa4 mask_mod"
-    supports = staticmethod(supports)
-    forward = staticmethod(attention_forward)
-    backward = staticmethod(attention_backward)
+FA4MaskMod = Kernel("fa4 mask_mod", supports, attention_forward, attention_backward)

@@ -20,6 +20,7 @@ import torch
 
 from . import fa4
 from .documents import packed
+from .kernel import Kernel
 from .problem import Problem
 
 try:  # the segments' and the marked rows' kernels; as in dispatch.py, triton is a Linux-only dependency
@@ -85,9 +86,4 @@ def attention_backward(dout, q, k, v, out, lse, *, scale, document_ids, is_causa
                                                tables=segments.tables)
 
 
-class FA4Segments:
-    """The kernel as dispatch.py sees it: document ids."""
-    name = "fa4 segments"
-    supports = staticmethod(supports)
-    forward = staticmethod(attention_forward)
-    backward = staticmethod(attention_backward)
+FA4Segments = Kernel("fa4 segments", supports, attention_forward, attention_backward)

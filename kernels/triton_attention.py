@@ -35,6 +35,7 @@ import math
 
 import torch
 
+from .kernel import Kernel
 from .problem import Problem
 from .result_layout import empty_out
 from .triton_backward import backward
@@ -292,17 +293,5 @@ def merge_forward(out_a, lse_a, out_b, lse_b, *, out=None, lse=None):
     return out, lse
 
 
-class Triton:
-    """The kernels as dispatch.py sees one; forward and backward take every mask argument."""
-    name = "triton"
-    supports = staticmethod(supports)
-    forward = staticmethod(attention_forward)
-    backward = staticmethod(attention_backward)
-
-
-class TritonVarlen:
-    """The packed-document kernels as dispatch.py sees a varlen kernel."""
-    name = "triton"
-    supports = staticmethod(supports)
-    forward = staticmethod(varlen_forward)
-    backward = staticmethod(varlen_backward)
+Triton = Kernel("triton", supports, attention_forward, attention_backward)  # every mask argument
+TritonVarlen = Kernel("triton", supports, varlen_forward, varlen_backward)  # packed documents
