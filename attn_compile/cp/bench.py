@@ -231,6 +231,16 @@ def _rel_err(got, want) -> float:
     return ((got.float() - want).norm() / want.norm()).item()
 
 
+def checked(label: str, local, out_local, dout_local, unshard, want) -> bool:
+    """One case of a check: ``out_local``'s gradients for ``local`` given ``dout_local``, the output
+    and each gradient unsharded against ``want``; prints the case's row and returns whether it passed."""
+    grads = torch.autograd.grad(out_local, local, dout_local)
+    errors = [_rel_err(unshard(x.detach()), w) for x, w in zip((out_local, *grads), want)]
+    ok = max(errors) <= CHECK_TOLERANCE
+    say(f"  {label} " + " ".join(f"{e:9.2e}" for e in errors) + ("" if ok else "  FAIL"))
+    return ok
+
+
 def check(seq: int, groups) -> int:
     """bf16 context parallel against the float32 reference, causal and with a causal window of
     seq/8; returns the number of failed cases."""
@@ -251,13 +261,9 @@ def check(seq: int, groups) -> int:
                 local = [shard_sequence(x.bfloat16(), group, layout=layout).requires_grad_() for x in (q, k, v)]
                 out_local = context_parallel_attention(*local, group=group, strategy=strategy, is_causal=True,
                                                        window=window, layout=layout)
-                grads = torch.autograd.grad(out_local, local, shard_sequence(dout.bfloat16(), group, layout=layout))
-                errors = [_rel_err(unshard_sequence(x.detach(), group, layout=layout), w)
-                          for x, w in zip((out_local, *grads), want)]
-                ok = max(errors) <= CHECK_TOLERANCE
-                failures += not ok
-                say(f"  {config:16s} {strategy + ' ' + layout[:3]:14s} {str(window):>12s} "
-                    + " ".join(f"{e:9.2e}" for e in errors) + ("" if ok else "  FAIL"))
+                failures += not checked(f"{config:16s} {strategy + ' ' + layout[:3]:14s} {str(window):>12s}", local,
+                                        out_local, shard_sequence(dout.bfloat16(), group, layout=layout),
+                                        lambda x: unshard_sequence(x, group, layout=layout), want)
     return failures
 
 
