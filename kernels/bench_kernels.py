@@ -63,17 +63,20 @@ class Shape:
                 and not self.padding)
 
     def pairs(self) -> int:
-        """Visible query-key pairs."""
-        if self.padding:  # the run's rows causal, the rows after it (right padding) see the whole run
-            return sum(n * (n + 1) // 2 + (0 if self.left else (self.s - n) * n) if self.is_causal else self.s * n
-                       for n in self.padding)
+        """Visible query-key pairs: every query row's, padded rows included (they see the real keys
+        their band reaches, as eager SDPA gives them)."""
         if self.documents:
             return sum(Shape("", 1, 1, n, is_causal=self.is_causal, window=self.window).pairs() for n in self.documents)
+        runs = [(self.s - n, self.s) if self.left else (0, n) for n in self.padding] or [(0, self.s)]
+        return sum(self._pairs_with_keys(start, end) for start, end in runs)
+
+    def _pairs_with_keys(self, start, end) -> int:
+        """Pairs of the band whose key lies in [start, end) of the row."""
         left, right = effective_window(self.is_causal, self.window)
         i = torch.arange(self.s, dtype=torch.int64) + self.q_offset
-        first = i - left if left != -1 else torch.full_like(i, self.k_offset)
-        last = i + right if right != -1 else torch.full_like(i, self.k_offset + self.s - 1)
-        first, last = first.clamp(min=self.k_offset), last.clamp(max=self.k_offset + self.s - 1)
+        lo, hi = self.k_offset + start, self.k_offset + end - 1
+        first = (i - left).clamp(min=lo) if left != -1 else torch.full_like(i, lo)
+        last = (i + right).clamp(max=hi) if right != -1 else torch.full_like(i, hi)
         return int((last - first + 1).clamp(min=0).sum())
 
     def flops(self) -> float:
@@ -254,10 +257,12 @@ def _fa4(shape, q, k, v):
             starts = starts + torch.cat([shape.s - lengths, lengths.new_zeros(1)])
         packed = [x.flatten(0, 1) for x in bshd]
 
+        sides = fa4.window_sides(shape.is_causal, shape.window, 0, 0, 0)
+
         def forward():
             out = flash_attn_varlen_func(*packed, cu_seqlens_q=starts, cu_seqlens_k=starts, seqused_q=lengths,
                                          seqused_k=lengths, max_seqlen_q=shape.s, max_seqlen_k=shape.s,
-                                         causal=shape.is_causal, **options)[0]
+                                         window_size=sides, **options)[0]
             return out.unflatten(0, (shape.batch, shape.s)).transpose(1, 2)
     else:
         sides = fa4.window_sides(shape.is_causal, shape.window, shape.s, shape.s, shape.k_offset - shape.q_offset)

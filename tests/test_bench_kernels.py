@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from attn_compile.kernels import bench_kernels
+from attn_compile.kernels.visibility import effective_window, visible
 from test_fa4_adapter import _on, _problem, standin  # noqa: F401  (standin is a fixture)
 
 CANDIDATES = {  # name: (problem, [(kernel, takes the forward, takes the backward)])
@@ -69,3 +70,37 @@ def test_the_kernels_named_before_a_run(standin):  # noqa: F811
     assert bench_kernels.described(_on(CANDIDATES["gqa+mla"][0])) == "fa4 (backward cudnn)"
     assert bench_kernels.described(_on(CANDIDATES["key padding with a window"][0])) == "triton (backward fa4 mask_mod)"
     assert bench_kernels.described(_on(_problem(is_causal=True)), packed=True) == "varlen fa4"
+
+
+PAIRS = (  # small shapes of each kind the benchmark has
+    bench_kernels.Shape("causal", 1, 1, 64),
+    bench_kernels.Shape("full", 1, 1, 64, is_causal=False),
+    bench_kernels.Shape("causal window", 1, 1, 64, window=(7, -1)),
+    bench_kernels.Shape("two-sided window", 1, 1, 64, is_causal=False, window=(5, 3)),
+    bench_kernels.Shape("ring step", 1, 1, 64, q_offset=72, k_offset=64),
+    bench_kernels.Shape("documents", 1, 1, 64, documents=(10, 30, 24)),
+    bench_kernels.Shape("documents, window", 1, 1, 64, window=(7, -1), documents=(10, 30, 24)),
+    bench_kernels.Shape("right-padded", 1, 1, 64, padding=(64, 40, 3)),
+    bench_kernels.Shape("left-padded", 1, 1, 64, padding=(64, 40, 3), left=True),
+    bench_kernels.Shape("right-padded, full", 1, 1, 64, is_causal=False, padding=(64, 40)),
+    bench_kernels.Shape("right-padded, window", 1, 1, 64, window=(7, -1), padding=(64, 40, 3)),
+    bench_kernels.Shape("left-padded, window", 1, 1, 64, window=(7, -1), padding=(64, 40, 3), left=True),
+)
+
+
+def _mask_pairs(shape):
+    """The shape's visible query-key pairs, counted on its whole (B, S, S) mask."""
+    q = torch.arange(shape.s) + shape.q_offset
+    mask = visible(q, torch.arange(shape.s) + shape.k_offset, *effective_window(shape.is_causal, shape.window))
+    if shape.documents:
+        ids = torch.repeat_interleave(torch.arange(len(shape.documents)), torch.tensor(shape.documents))
+        mask &= ids[:, None] == ids[None, :]
+    positions = torch.arange(shape.s)
+    real = [positions >= shape.s - n if shape.left else positions < n for n in shape.padding] or [positions >= 0]
+    return sum(int((mask & keys[None, :]).sum()) for keys in real)
+
+
+@pytest.mark.parametrize("shape", PAIRS, ids=lambda shape: shape.name)
+def test_the_flops_count_every_pair_the_mask_leaves(shape):
+    """TFLOP/s divide these pairs' FLOPs: padded rows see the real keys their band reaches."""
+    assert shape.pairs() == _mask_pairs(shape)
