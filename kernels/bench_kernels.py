@@ -240,11 +240,11 @@ def _fa4(shape, q, k, v):
 
     options = dict(softmax_scale=shape.d_qk ** -0.5, softcap=shape.softcap)
     bshd = [x.transpose(1, 2) for x in (q, k, v)]
+    sides = fa4.window_sides(shape.is_causal, shape.window, shape.s, shape.s, shape.k_offset - shape.q_offset)
     if shape.documents:
         cu = torch.tensor((0, *shape.documents), device="cuda").cumsum(0).int()
         packed = [x.flatten(0, 1) for x in bshd]
         longest = max(shape.documents)
-        sides = fa4.window_sides(shape.is_causal, shape.window, 0, 0, 0)
 
         def forward():
             out = flash_attn_varlen_func(*packed, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
@@ -257,16 +257,12 @@ def _fa4(shape, q, k, v):
             starts = starts + torch.cat([shape.s - lengths, lengths.new_zeros(1)])
         packed = [x.flatten(0, 1) for x in bshd]
 
-        sides = fa4.window_sides(shape.is_causal, shape.window, 0, 0, 0)
-
         def forward():
             out = flash_attn_varlen_func(*packed, cu_seqlens_q=starts, cu_seqlens_k=starts, seqused_q=lengths,
                                          seqused_k=lengths, max_seqlen_q=shape.s, max_seqlen_k=shape.s,
                                          window_size=sides, **options)[0]
             return out.unflatten(0, (shape.batch, shape.s)).transpose(1, 2)
     else:
-        sides = fa4.window_sides(shape.is_causal, shape.window, shape.s, shape.s, shape.k_offset - shape.q_offset)
-
         def forward():
             return flash_attn_func(*bshd, window_size=sides, **options)[0].transpose(1, 2)
     return forward
