@@ -133,10 +133,6 @@ class FlashVarlen:
         )
 
     @staticmethod
-    def pads_v(p: Problem) -> bool:
-        return p.d_v != p.d_qk
-
-    @staticmethod
     def _padded(x, d):
         return torch.nn.functional.pad(x, (0, d - x.shape[-1])) if x.shape[-1] != d else x
 

@@ -23,11 +23,6 @@ def _problem(d_qk, d_v):
     return Problem.of(q, k, v, is_causal=True)
 
 
-@pytest.mark.parametrize("d_qk, d_v, pads", [(64, 64, False), (192, 128, True), (128, 64, True)])
-def test_flash_pads_only_mla(d_qk, d_v, pads):
-    assert FlashVarlen.pads_v(_problem(d_qk, d_v)) is pads
-
-
 def test_flash_takes_no_v_wider_than_q():
     assert not FlashVarlen.supports(_problem(64, 128))
 
@@ -45,21 +40,22 @@ def test_flash_takes_no_causal_or_window_mask_on_documents_of_unequal_lengths(ma
 
 
 class _RecordingFlash:
-    """aten's _flash_attention_forward/backward over the reference kernels, recording V's head dim."""
+    """aten's _flash_attention_forward/backward over the reference kernels, recording the V each is
+    handed."""
 
     def __init__(self):
-        self.v_dims = []
+        self.vs = []
 
     def _flash_attention_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, dropout, is_causal, debug, *, scale,
                                  window_size_left, window_size_right):
-        self.v_dims.append(v.shape[-1])
+        self.vs.append(v)
         out, lse = reference.varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, is_causal=is_causal,
                                             window=(window_size_left, window_size_right))
         return out, lse.transpose(0, 1), None, None, None
 
     def _flash_attention_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout, is_causal,
                                   rng, unused, *, scale, window_size_left, window_size_right):
-        self.v_dims.append(v.shape[-1])
+        self.vs.append(v)
         return reference.varlen_backward(dout, q, k, v, out, lse.transpose(0, 1), cu_q, cu_k, max_q, max_k,
                                          scale=scale, is_causal=is_causal, window=(window_size_left, window_size_right))
 
@@ -81,6 +77,7 @@ def test_flash_adapter_pads_v_trims_out_and_dv(d_qk, d_v, monkeypatch):
     grads = FlashVarlen.backward(dout, q, k, v, out, lse, *documents, **masking)
     want_out, want_lse = reference.varlen_forward(q, k, v, *documents, **masking)
     want = (want_out, *reference.varlen_backward(dout, q, k, v, want_out, want_lse, *documents, **masking))
-    assert recording.v_dims == [d_qk, d_qk]  # V reaches the kernel at d_qk, padded only when d_v < d_qk
+    assert [x.shape[-1] for x in recording.vs] == [d_qk, d_qk]  # V reaches the kernel at d_qk
+    assert all((x is v) == (d_v == d_qk) for x in recording.vs)  # and is a padded copy only for MLA
     assert [tuple(x.shape) for x in (out, *grads)] == [tuple(x.shape) for x in want]
     assert max(rel_err(g, w) for g, w in zip((out, *grads), want)) <= 1e-6
