@@ -67,8 +67,11 @@ class Shape:
         their band reaches, as eager SDPA gives them)."""
         if self.documents:
             return sum(Shape("", 1, 1, n, is_causal=self.is_causal, window=self.window).pairs() for n in self.documents)
-        runs = [(self.s - n, self.s) if self.left else (0, n) for n in self.padding] or [(0, self.s)]
-        return sum(self._pairs_with_keys(start, end) for start, end in runs)
+        return sum(self._pairs_with_keys(start, end) for start, end in self.runs())
+
+    def runs(self) -> list:
+        """Each batch row's real tokens as positions [start, end): the whole row without padding."""
+        return [(self.s - n, self.s) if self.left else (0, n) for n in self.padding] or [(0, self.s)]
 
     def _pairs_with_keys(self, start, end) -> int:
         """Pairs of the band whose key lies in [start, end) of the row."""
@@ -120,8 +123,8 @@ def _inputs(shape: Shape):
 def _key_padding(shape):
     """(B, S) bool, True on each row's run of real tokens."""
     positions = torch.arange(shape.s, device="cuda")
-    lengths = torch.tensor(shape.padding, device="cuda")[:, None]
-    return positions >= shape.s - lengths if shape.left else positions < lengths
+    start, end = torch.tensor(shape.runs(), device="cuda").T[..., None]
+    return (positions >= start) & (positions < end)
 
 
 def _document_ids(shape):
@@ -252,9 +255,8 @@ def _fa4(shape, q, k, v):
             return out[None].transpose(1, 2)
     elif shape.padding:
         lengths = torch.tensor(shape.padding, device="cuda", dtype=torch.int32)
-        starts = torch.arange(shape.batch + 1, device="cuda", dtype=torch.int32) * shape.s
-        if shape.left:
-            starts = starts + torch.cat([shape.s - lengths, lengths.new_zeros(1)])
+        rows = [b * shape.s + start for b, (start, _) in enumerate(shape.runs())] + [shape.batch * shape.s]
+        starts = torch.tensor(rows, device="cuda", dtype=torch.int32)  # each run's first packed row
         packed = [x.flatten(0, 1) for x in bshd]
 
         def forward():
