@@ -22,14 +22,15 @@ from .triton_tiles import (LN2, LOG2E, autotune, capped, dot_precision, head_blo
 
 
 @triton.jit
-def _attend(acc, row_sum, row_max, q, k_rows, v_rows, key_padding, row_docs, ids, rows, cols, lo, full_lo, plain_hi,
-            full_hi, hi, seqlen_k, before, after, qk_scale, cap, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
+def _attend(acc, row_sum, row_max, q, k_rows, v_rows, key_padding, row_docs, ids, rows, cols, lo, full_lo, full_hi,
+            hi, padded_from, seqlen_k, before, after, qk_scale, cap, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
             BLOCK_DV: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DOCUMENTS: tl.constexpr,
             SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, VARLEN: tl.constexpr):
     """Online softmax of the query block over ``key_tiles``' key tiles [lo, hi), in base 2, as one
     loop in which only the tiles that need a mask compute it: the software pipeline fills once.
     A loop per kind of tile ran 7% slower on a 1024 window, which walks few tiles, and 9-12% on
-    packed documents (BENCHMARKS.md)."""
+    packed documents (BENCHMARKS.md). Tiles before ``padded_from`` hold no padding key, so they
+    skip the key padding mask even where they take the position mask."""
     for tile in range(lo, hi):
         start = tile * BLOCK_N
         keys = start + cols
@@ -42,7 +43,7 @@ def _attend(acc, row_sum, row_max, q, k_rows, v_rows, key_padding, row_docs, ids
         if edge:
             s = position_mask(s, rows, keys, seqlen_k, before, after, row_docs, ids, HAS_DOCUMENTS)
         if HAS_KEY_PADDING:
-            if edge | (tile >= plain_hi):
+            if tile >= padded_from:
                 s = tl.where(real_keys(key_padding, keys, seqlen_k)[None, :], s, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(s, 1) * qk_scale)
         # a row that has seen no key yet keeps p = 0 instead of exp(-inf + inf)
@@ -87,17 +88,17 @@ def _forward_kernel(Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, KeyPadding, s
     q = load_rows(Q, batch, head, q_start, first, seqlen_q, stride_qb, stride_qh, stride_qs, D_QK, BLOCK_M, BLOCK_DQK)
     k_rows, v_rows, key_padding, ids, row_docs, tiles = key_walk(
         K, V, KeyPadding, stride_kpb, Ids, stride_idb, Spans, Runs, batch, head // group, k_start, seqlen_k, seqlen_q,
-        real_prefix, first, last, rows, before, after, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+        first, last, rows, before, after, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
         D_QK, D_V, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, HAS_KEY_PADDING, HAS_DOCUMENTS, VARLEN)
-    lo, full_lo, plain_hi, full_hi, hi = tiles
+    lo, full_lo, full_hi, hi = tiles
 
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     acc, row_sum, row_max = _attend(acc, row_sum, row_max, q, k_rows, v_rows, key_padding, row_docs, ids, rows, cols,
-                                    lo, full_lo, plain_hi, full_hi, hi, seqlen_k, before, after, qk_scale, cap,
-                                    BLOCK_N, BLOCK_DQK, BLOCK_DV, HAS_KEY_PADDING, HAS_DOCUMENTS, SOFTCAP, PRECISION,
-                                    VARLEN)
+                                    lo, full_lo, full_hi, hi, real_prefix // BLOCK_N, seqlen_k, before, after,
+                                    qk_scale, cap, BLOCK_N, BLOCK_DQK, BLOCK_DV, HAS_KEY_PADDING, HAS_DOCUMENTS,
+                                    SOFTCAP, PRECISION, VARLEN)
     seen = row_sum > 0
     row_sum = tl.where(seen, row_sum, 1.0)
     lse = tl.where(seen, (row_max + tl.math.log2(row_sum)) * LN2, float("-inf"))
