@@ -106,10 +106,9 @@ def _dq_kernel(Q, K, V, DO, O, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k, KeyPa
 
     k_rows, v_rows, key_padding, ids, row_docs, tiles = key_walk(
         K, V, KeyPadding, stride_kpb, Ids, stride_idb, Spans, Runs, batch, head // group, k_start, seqlen_k, seqlen_q,
-        first, last, rows, before, after, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+        real_prefix, first, last, rows, before, after, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
         D_QK, D_V, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, HAS_KEY_PADDING, HAS_DOCUMENTS, OWN_WALK)
-    lo, full_lo, full_hi, hi = tiles
-    padded_from = real_prefix // BLOCK_N
+    lo, full_lo, full_hi, hi, padded_from = tiles
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
     dq = _dq_tiles(dq, q, do, lse, delta, k_rows, v_rows, key_padding, row_docs, ids, rows, cols, lo, full_lo,
                    padded_from, seqlen_k, before, after, qk_scale, cap, BLOCK_N, BLOCK_DQK, BLOCK_DV, True,

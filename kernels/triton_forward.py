@@ -88,15 +88,15 @@ def _forward_kernel(Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, KeyPadding, s
     q = load_rows(Q, batch, head, q_start, first, seqlen_q, stride_qb, stride_qh, stride_qs, D_QK, BLOCK_M, BLOCK_DQK)
     k_rows, v_rows, key_padding, ids, row_docs, tiles = key_walk(
         K, V, KeyPadding, stride_kpb, Ids, stride_idb, Spans, Runs, batch, head // group, k_start, seqlen_k, seqlen_q,
-        first, last, rows, before, after, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+        real_prefix, first, last, rows, before, after, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
         D_QK, D_V, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, HAS_KEY_PADDING, HAS_DOCUMENTS, VARLEN)
-    lo, full_lo, full_hi, hi = tiles
+    lo, full_lo, full_hi, hi, padded_from = tiles
 
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     acc, row_sum, row_max = _attend(acc, row_sum, row_max, q, k_rows, v_rows, key_padding, row_docs, ids, rows, cols,
-                                    lo, full_lo, full_hi, hi, real_prefix // BLOCK_N, seqlen_k, before, after,
+                                    lo, full_lo, full_hi, hi, padded_from, seqlen_k, before, after,
                                     qk_scale, cap, BLOCK_N, BLOCK_DQK, BLOCK_DV, HAS_KEY_PADDING, HAS_DOCUMENTS,
                                     SOFTCAP, PRECISION, VARLEN)
     seen = row_sum > 0

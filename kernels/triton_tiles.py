@@ -384,35 +384,35 @@ def query_block(cu_seqlens_q, cu_seqlens_k, key_bounds, batch, seqlen_q, seqlen_
 
 
 @triton.jit
-def key_tiles(seqlen_k, first, last, before, after, spans, runs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              HAS_DOCUMENTS: tl.constexpr):
+def key_tiles(seqlen_k, real_prefix, first, last, before, after, spans, runs, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, HAS_DOCUMENTS: tl.constexpr):
     """The key tiles query rows [first, last] walk, cut at ``lo <= full_lo <= full_hi <= hi``:
-    [lo, full_lo) and [full_hi, hi) take the position (and document) mask, [full_lo, full_hi) none.
-    The key padding mask is the walk's own business: the tiles from ``real_prefix // BLOCK_N`` on
-    (``padding_bounds``) take it."""
+    [lo, full_lo) and [full_hi, hi) take the position (and document) mask, [full_lo, full_hi) none;
+    and ``padded_from``, the first tile that holds a key at or after ``real_prefix``
+    (``padding_bounds``): the tiles from it on take the key padding mask, masked or not."""
     lo, full_lo, full_hi, hi = tile_ranges(first, last, seqlen_k, before, after, BLOCK_N)
     if HAS_DOCUMENTS:
         lo, full_lo, full_hi, hi = document_tiles(spans, runs, first, last, lo, full_lo, full_hi, hi, BLOCK_M,
                                                   BLOCK_N)
-    return lo, full_lo, full_hi, hi
+    return lo, full_lo, full_hi, hi, real_prefix // BLOCK_N
 
 
 @triton.jit
 def key_walk(K, V, KeyPadding, stride_kpb, Ids, stride_idb, Spans, Runs, batch, kv_head, k_start, seqlen_k, seqlen_q,
-             first, last, rows, before, after, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
+             real_prefix, first, last, rows, before, after, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
              stride_vs, D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_KEY_PADDING: tl.constexpr,
              HAS_DOCUMENTS: tl.constexpr, OWN: tl.constexpr):
     """What a block of query rows [first, last] reads on its walk over the key tiles, in the
     forward and dQ kernels: (k_rows, v_rows, key_padding, ids, row_docs, tiles), K's and V's
     ``walk_rows``, the batch row's key padding mask, its document ids and the rows' documents
-    (``document_rows``), and ``key_tiles``' four cuts."""
+    (``document_rows``), and ``key_tiles``' four cuts and ``padded_from``."""
     ids, spans, runs, row_docs = document_rows(Ids, stride_idb, Spans, Runs, batch, rows, seqlen_q, HAS_DOCUMENTS)
     k_rows = walk_rows(K, batch, kv_head, k_start, seqlen_k, stride_kb, stride_kh, stride_ks, D_QK, BLOCK_N, BLOCK_DQK,
                        OWN)
     v_rows = walk_rows(V, batch, kv_head, k_start, seqlen_k, stride_vb, stride_vh, stride_vs, D_V, BLOCK_N, BLOCK_DV,
                        OWN)
-    tiles = key_tiles(seqlen_k, first, last, before, after, spans, runs, BLOCK_M, BLOCK_N, HAS_DOCUMENTS)
+    tiles = key_tiles(seqlen_k, real_prefix, first, last, before, after, spans, runs, BLOCK_M, BLOCK_N, HAS_DOCUMENTS)
     if HAS_KEY_PADDING:
         key_padding = KeyPadding + batch * stride_kpb
     else:
