@@ -1,6 +1,6 @@
 """The order in which the dispatch tries the kernels: per problem class and direction, fastest
 measured first (BENCHMARKS.md, "Kernels"; H100 80GB HBM3, torch 2.11, triton 3.6, flash-attn-4
-4.0.0b36; the document-id rows on an H200). Kernels a row has no figure for follow the measured
+4.0.0b36; the document-id rows and windowed key padding on an H200). Kernels a row has no figure for follow the measured
 ones in the dispatch's fixed order, and a class without a row keeps that order.
 
 A class is what decides the relative speeds: the mask's kind (dense, window, position offset,
@@ -65,8 +65,9 @@ TABLE = {  # class: its rows, the shortest bound first
         {"triton": 0.347, "fa4 mask_mod": 0.387}, {"triton": 0.872, "fa4 mask_mod": 0.875}, "ms",
         "Mistral-shaped B2 S 4096, GQA 32/8, causal window 1023, its packed rows' documents; the same order at 8192")],
     "key padding, window": [Measured(
-        {"triton": 0.319, "fa4 mask_mod": 0.325}, {"fa4 mask_mod": 0.992, "triton": 1.050}, "ms",
-        "bench kernels --candidates, Mistral-shaped B2 S4096, window 1023, a row right-padded by 1/8")],
+        {"fa4 mask_mod": 0.292, "triton": 0.313}, {"fa4 mask_mod": 0.913, "triton": 1.035}, "ms",
+        "H200, each kernel called directly, Mistral-shaped B2 S4096, window 1023, a row right-padded by 1/8 "
+        "(BENCHMARKS.md, run R; the H100's candidates run measured the forwards 0.319 and 0.325, a tie)")],
     "key padding": [
         Measured({"fa4 mask_mod": 0.490, "triton": 0.615, "fa4": 0.903},
                  {"fa4 mask_mod": 1.492, "fa4": 1.595, "triton": 2.057}, "ms",

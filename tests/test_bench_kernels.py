@@ -17,7 +17,7 @@ CANDIDATES = {  # name: (problem, [(kernel, takes the forward, takes the backwar
         [("fa4", True, True), ("fa4 mask_mod", True, True), ("triton", True, True)]),
     "key padding with a window": (
         _problem(is_causal=True, window=(8, -1), key_padding_mask=torch.empty(0)),
-        [("triton", True, True), ("fa4 mask_mod", True, True)]),
+        [("fa4 mask_mod", True, True), ("triton", True, True)]),
     "document ids": (_problem(h_q=8, h_kv=2, is_causal=True, document_ids=torch.empty(0)),
                      [("triton", True, True), ("fa4 mask_mod", True, True), ("fa4 segments", True, True)]),
     "document ids, 8192 tokens": (_problem(h_q=8, h_kv=2, s_q=8192, s_k=8192, is_causal=True,
@@ -68,7 +68,8 @@ def test_a_direction_a_kernel_does_not_take_shows_a_dash(standin):  # noqa: F811
 
 def test_the_kernels_named_before_a_run(standin):  # noqa: F811
     assert bench_kernels.described(_on(CANDIDATES["gqa+mla"][0])) == "fa4 (backward cudnn)"
-    assert bench_kernels.described(_on(CANDIDATES["key padding with a window"][0])) == "triton (backward fa4 mask_mod)"
+    assert bench_kernels.described(_on(_problem(is_causal=True, softcap=50.0))) == "triton (backward fa4)"
+    assert bench_kernels.described(_on(CANDIDATES["key padding with a window"][0])) == "fa4 mask_mod"
     assert bench_kernels.described(_on(_problem(is_causal=True)), packed=True) == "varlen fa4"
 
 

@@ -174,7 +174,7 @@ DISPATCH = {  # name: (problem, forward kernel, backward kernel)
     "key padding, 8192 tokens": (_problem(s_q=8192, s_k=8192, is_causal=True, key_padding_mask=torch.empty(0)),
                                  "fa4", "fa4"),
     "key padding with a window": (_problem(is_causal=True, window=(8, -1), key_padding_mask=torch.empty(0)),
-                                  "triton", "fa4 mask_mod"),
+                                  "fa4 mask_mod", "fa4 mask_mod"),
     "key padding, queries fewer than keys": (_problem(s_q=16, is_causal=True, key_padding_mask=torch.empty(0)),
                                              "triton", "triton"),
 }

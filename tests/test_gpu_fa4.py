@@ -240,7 +240,7 @@ DISPATCH = {  # name: (h_q, h_kv, d_qk, d_v, masking, expected)
     "key padding": (8, 2, 128, 128, dict(is_causal=True, key_padding_mask=torch.ones(1, 256, dtype=torch.bool)),
                     "fa4 mask_mod"),
     "key padding, window": (8, 2, 128, 128, dict(window=(64, 0), key_padding_mask=torch.ones(1, 256, dtype=torch.bool)),
-                            "triton (backward fa4 mask_mod)"),
+                            "fa4 mask_mod"),
     "document ids, softcap": (8, 2, 128, 128, dict(is_causal=True, softcap=30.0,
                                                     document_ids=torch.zeros(1, 256, dtype=torch.int32)), "triton"),
 }
