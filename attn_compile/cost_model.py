@@ -316,13 +316,13 @@ def choose(p: Problem, hw: Hardware = Hardware(), strategy: str = "auto") -> tup
     can run: it attends the whole batch in one varlen call, while the ring and the all-gather
     attend each step's per-document tiles, whose costs (fp32 gradient accumulation, filler rows,
     more calls) the model leaves out. Measured on 2 and 4 H200s, 131,072 tokens in 17 documents
-    on zigzag shards, with and without a window, Ulysses ran 1.15-3.3x faster in fwd+bwd than the
+    on zigzag shards, with and without a window, Ulysses ran 1.14-3.3x faster in fwd+bwd than the
     other strategies (BENCHMARKS.md). The exception is the contiguous layout where the ring has
     two steps: under a sliding window, or on two ranks. A rank then needs the rows of the rank
     before it that its queries see, the ring sends just those (a window's rows, or the part of
-    the document that spans both ranks) and attends the rest locally: on 2 H200s, 0.917 / 0.888
-    of one GPU with a window and 0.850 / 0.876 without, against Ulysses' 0.606 / 0.743 and
-    0.751 / 0.815. On more ranks without a window the ring has two steps only where no document
+    the document that spans both ranks) and attends the rest locally: on 2 H200s, 0.916 / 0.897
+    of one GPU with a window and 0.878 / 0.879 without, against Ulysses' 0.590 / 0.738 and
+    0.756 / 0.817. On more ranks without a window the ring has two steps only where no document
     spans more than two ranks' pieces, which the ranks cannot tell alike from their shards (whose
     token counts differ by one), so Ulysses stays the choice there. Where no backward follows
     (``p.backward`` false), the fastest forward is chosen."""
