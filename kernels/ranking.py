@@ -1,7 +1,8 @@
 """The order in which the dispatch tries the kernels: per problem class and direction, fastest
 measured first (BENCHMARKS.md, "Kernels"; H100 80GB HBM3, torch 2.11, triton 3.6, flash-attn-4
-4.0.0b36; the document-id rows and windowed key padding on an H200). Kernels a row has no figure for follow the measured
-ones in the dispatch's fixed order, and a class without a row keeps that order.
+4.0.0b36; the document-id rows and windowed key padding on an H200). Kernels a row has no figure
+for follow the measured ones in the dispatch's fixed order, and a class without a row keeps that
+order.
 
 A class is what decides the relative speeds: the mask's kind (dense, window, position offset,
 softcap, document ids, key padding) and, for key padding and document ids, the length. A padded
