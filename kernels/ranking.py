@@ -18,7 +18,9 @@ and the Triton launches for its segments and for the rows it does not take) exce
 work; there Triton runs the forward and the mask_mod path the backward (run O). Triton's and
 the mask_mod path's forwards differ by less than their spread between machines (run M measured
 them 0.322 and 0.312 ms, run O 0.330 and 0.354), and their host times decide (0.20 against 0.35
-ms a call in run O).
+ms a call in run O). Softcapped document ids (Gemma 2's packed rows, head dim 256) are a class of
+their own: beyond 4096 tokens the segments path's backward measured 21-26% faster than Triton's;
+at 4096 its host time made a compiled site's fwd+bwd slower, as for the other document ids.
 ``python -m attn_compile.bench kernels --candidates`` times every kernel the dispatch may choose
 for each benchmark shape and says where this table's order no longer holds.
 """
@@ -65,6 +67,16 @@ TABLE = {  # class: its rows, the shortest bound first
     "document ids, window": [Measured(
         {"triton": 0.347, "fa4 mask_mod": 0.387}, {"triton": 0.872, "fa4 mask_mod": 0.875}, "ms",
         "Mistral-shaped B2 S 4096, GQA 32/8, causal window 1023, its packed rows' documents; the same order at 8192")],
+    "document ids, softcap": [
+        Measured({"triton": 0.370, "fa4 segments": 0.502}, {"triton": 2.717, "fa4 segments": 3.859}, "ms",
+                 "forward: run T (below); backward: one site of the compiled Gemma-2-shaped stack, packed B2 S4096, "
+                 "attention fwd+bwd with Triton's forward and each backward, bound by host time (BENCHMARKS.md)",
+                 up_to=4096),
+        Measured({"triton": 0.370, "fa4 segments": 0.502}, {"fa4 segments": 1.246, "triton": 1.677}, "ms",
+                 "H200, run T: each kernel called directly, Gemma-2-shaped GQA 16/8 d256, softcap 50, window 4096, "
+                 "documents of B2 S4096's packed rows in one row of 8192 tokens (at 16384 tokens fa4 segments "
+                 "1.150 / 4.025, triton 1.169 / 5.108; without the window the same order)"),
+    ],
     "key padding, window": [Measured(
         {"fa4 mask_mod": 0.292, "triton": 0.313}, {"fa4 mask_mod": 0.913, "triton": 1.035}, "ms",
         "H200, each kernel called directly, Mistral-shaped B2 S4096, window 1023, a row right-padded by 1/8 "
@@ -88,7 +100,7 @@ def problem_class(p: Problem, packed: bool = False) -> str:
     if p.has_mask:
         return "tensor mask"
     if p.softcapped:
-        return "softcap"
+        return "document ids, softcap" if p.has_documents else "softcap"
     if p.has_documents or p.has_key_padding:
         kind = "document ids" if p.has_documents else "key padding"
         return f"{kind}, window" if p.windowed else kind

@@ -166,6 +166,9 @@ DISPATCH = {  # name: (problem, forward kernel, backward kernel)
                                            "fa4 segments", "triton"),
     "document ids with softcap": (_problem(is_causal=True, softcap=30.0, document_ids=torch.empty(0)), "triton",
                                   "triton"),
+    "document ids with softcap and a window, d 256, 8192 tokens": (
+        _problem(s_q=8192, s_k=8192, d_qk=256, d_v=256, is_causal=True, softcap=50.0, window=(8, -1),
+                 document_ids=torch.empty(0)), "triton", "fa4 segments"),
     "document ids with a window": (_problem(is_causal=True, window=(8, -1), document_ids=torch.empty(0)), "triton",
                                    "triton"),
     "band FA4 cannot align": (_problem(window=(-1, 8), q_offset=0, k_offset=20), "triton", "triton"),
@@ -195,7 +198,8 @@ def test_every_measured_figure_names_a_kernel_of_its_class():
             assert {*row.forward, *row.backward} <= {kernel.name for kernel in kernels}, name
     classes = {ranking.problem_class(_problem(**masking), packed) for masking, packed in (
         ({}, False), (dict(window=(4, 0)), False), (dict(is_causal=True, q_offset=8), False),
-        (dict(softcap=1.0), False), (dict(document_ids=torch.empty(0)), False),
+        (dict(softcap=1.0), False), (dict(softcap=1.0, document_ids=torch.empty(0)), False),
+        (dict(document_ids=torch.empty(0)), False),
         (dict(document_ids=torch.empty(0), window=(4, 0)), False), (dict(key_padding_mask=torch.empty(0)), False),
         (dict(key_padding_mask=torch.empty(0), window=(4, 0)), False), ({}, True))}
     assert classes == set(ranking.TABLE)

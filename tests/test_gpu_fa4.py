@@ -181,6 +181,9 @@ SEGMENTS_ONLY = {  # name: as DOCUMENTS; classes the mask_mod path does not take
                                              dict(is_causal=True, softcap=5.0)),
     "d256 gqa 4/2 window (64, 0), S 300": (4, 2, 300, 256, 256, _document_ids([[200, 100], [16, 284]]),
                                            dict(window=(64, 0))),
+    "d256 gqa 4/2 causal window 64 softcap 50, S 300 (Gemma 2)": (
+        4, 2, 300, 256, 256, _document_ids([[200, 100], [16, 284]]), dict(is_causal=True, window=(64, -1),
+                                                                          softcap=50.0)),
     # three chunks of triton_run_chunks' 1024 ids, runs across their edges; by default row 0's 4
     # runs exceed the forward's budget of 3 (Triton) but not the backward's 6 (FA4)
     "gqa 4/2 d64 causal, S 2600": (4, 2, 2600, 64, 64, _document_ids([[5, 1019, 1200, 376], [2600]]),
