@@ -14,7 +14,7 @@ from attn_compile.cp.grad_sum import GradSum
 from attn_compile.cp.layout import SequenceSharding
 from attn_compile.cp.merge import MergedResult
 from attn_compile.cp.packed_tiles import PackedTiles
-from attn_compile.cp.tiles import Tile, attend_tiles, attend_tiles_backward, plan_calls, plan_tiles
+from attn_compile.cp.tiles import Tile, attend_tiles, attend_tiles_backward, k_parts, plan_calls, plan_tiles, q_parts
 from attn_compile.kernels.visibility import effective_window
 from oracle import naive_attention, rel_err
 
@@ -93,17 +93,17 @@ def _run_steps(sharding, is_causal, window, strategy, counts, seed=0):
     results, grads = [], [torch.zeros_like(x) for x in (q, k, v)]
     for rank in range(cp):
         plans = [plan_calls(sharding.chunks(rank), keys(rank, s)[0], is_causal, window) for s in sources[rank]]
-        result = MergedResult(shard(q, rank), shard(v, rank), [c.q_rows for plan in plans for c in plan])
+        result = MergedResult(shard(q, rank), shard(v, rank), [r for plan in plans for r in q_parts(plan)])
         for plan, source in zip(plans, sources[rank]):
             counted_call(lambda: attend_tiles(shard(q, rank), *keys(rank, source)[1:], plan, SCALE, result))
         results.append(result)
     for rank in range(cp):
         out, lse = results[rank].out, results[rank].lse
         plans = [plan_calls(sharding.chunks(rank), keys(rank, s)[0], is_causal, window) for s in sources[rank]]
-        dq = GradSum(shard(q, rank), [c.q_rows for plan in plans for c in plan])
+        dq = GradSum(shard(q, rank), [r for plan in plans for r in q_parts(plan)])
         for plan, plan_source in zip(plans, sources[rank]):
             _, k_part, v_part = keys(rank, plan_source)
-            dk, dv = (GradSum(x, [c.k_rows for c in plan]) for x in (k_part, v_part))
+            dk, dv = (GradSum(x, k_parts(plan)) for x in (k_part, v_part))
             counted_call(lambda: attend_tiles_backward(shard(dout, rank), shard(q, rank), k_part, v_part, out, lse,
                                                        plan, SCALE, dq, dk, dv))
             rows = torch.arange(sharding.total) if plan_source is None else held[plan_source]
@@ -232,25 +232,32 @@ def _nan_in(kernel, fillers):
     return run
 
 
-def test_filler_rows_give_nothing_whatever_the_kernel_writes(monkeypatch):
-    """Rows between a packed call's tiles (filler segments, with no key or no query) come out as
-    seeing nothing and get no gradient even where a kernel leaves NaN in them."""
+def test_filler_rows_are_never_read_whatever_the_kernel_writes(monkeypatch):
+    """Rows between a packed call's tiles (filler segments, with no key or no query) are no part of
+    the results it adds to: its parts are the tiles' rows, and results over every row of the
+    buffers are the same where a kernel leaves NaN in the filler rows; rows no tile covers come out
+    seeing nothing and get no gradient."""
     q, k, v, dout = (x.double() for x in _inputs(12, 3))
     call = PackedTiles((Tile(slice(2, 4), slice(0, 3), {}), Tile(slice(7, 9), slice(5, 6), {})), {})
-    segments = call._segments(q.device)
-    assert segments.q_fillers.tolist() == [2, 3, 4]
-    assert segments.k_fillers.tolist() == [3, 4]
-    out, lse = torch.zeros_like(dout), torch.zeros(1, HEADS[0], 12, dtype=torch.float64)
+    assert call.q_parts == (slice(2, 4), slice(7, 9)) and call.k_parts == (slice(0, 3), slice(5, 6))
+    q_fillers, k_fillers = [2, 3, 4], [3, 4]  # in the spans, rows 2..9 of q and 0..6 of k
 
     def run():
-        part_out, part_lse = call.forward(q, k, v, SCALE)
-        return part_out.clone(), part_lse.clone(), *call.backward(dout, q, k, v, out, lse, SCALE)
+        result = MergedResult(q, v, q_parts([call]))
+        attend_tiles(q, k, v, [call], SCALE, result)
+        dq, dk, dv = (GradSum(x, parts) for x, parts in ((q, call.q_parts), (k, call.k_parts), (v, call.k_parts)))
+        attend_tiles_backward(dout, q, k, v, result.out, result.lse, [call], SCALE, dq, dk, dv)
+        return result.out, result.lse, dq.result(), dk.result(), dv.result()
 
     want = run()
-    assert torch.equal(want[1][0, :, 2:5], torch.full((HEADS[0], 3), float("-inf"), dtype=torch.float64))
-    monkeypatch.setattr(packed_tiles, "varlen_forward", _nan_in(packed_tiles.varlen_forward, [segments.q_fillers] * 2))
-    monkeypatch.setattr(packed_tiles, "varlen_backward", _nan_in(packed_tiles.varlen_backward, [
-        segments.q_fillers, segments.k_fillers, segments.k_fillers]))
+    out, lse, dq, dk, dv = want
+    uncovered_q, uncovered_k = [0, 1, 4, 5, 6, 9, 10, 11], [3, 4, 6, 7, 8, 9, 10, 11]
+    assert (lse[0, :, uncovered_q] == float("-inf")).all()
+    assert not any(x[0, :, rows].any() for x, rows in ((out, uncovered_q), (dq, uncovered_q), (dk, uncovered_k),
+                                                       (dv, uncovered_k)))
+    monkeypatch.setattr(packed_tiles, "varlen_forward", _nan_in(packed_tiles.varlen_forward, [q_fillers] * 2))
+    monkeypatch.setattr(packed_tiles, "varlen_backward", _nan_in(packed_tiles.varlen_backward,
+                                                                 [q_fillers, k_fillers, k_fillers]))
     for got, expected in zip(run(), want):
         assert torch.equal(got, expected)
 
@@ -317,7 +324,7 @@ def test_a_part_over_many_segments_in_one_state_merges_once(monkeypatch):
 @pytest.mark.parametrize("is_causal, window", [(False, NO_WINDOW), (True, NO_WINDOW), (True, (24, 0))])
 def test_packed_calls_match_their_tiles_run_alone_on_the_gpu(is_causal, window):
     """On the dispatched kernels (FA4, Triton): a packed call's rows are its tiles' results, each
-    tile run as its own call, and its filler rows see nothing and get no gradient."""
+    tile run as its own call (what it writes in the filler rows between them is never read)."""
     sharding = DocumentSharding(_cu([8 * n for n in _documents(2)]), 2, "zigzag")
     torch.manual_seed(0)
     q, k, v, dout = (torch.randn(1, h, sharding.total, 128, device="cuda", dtype=torch.bfloat16)
@@ -333,16 +340,12 @@ def test_packed_calls_match_their_tiles_run_alone_on_the_gpu(is_causal, window):
             span_out, span_lse = torch.zeros_like(dout0), torch.zeros(q0.shape[:3], device="cuda")
             span_out[:, :, call.q_rows], span_lse[:, :, call.q_rows] = out, lse
             grads = call.backward(dout0, q0, k_part, v_part, span_out, span_lse, SCALE)
-            covered = [torch.zeros(n, dtype=torch.bool, device="cuda") for n in (out.shape[2], grads[1].shape[2])]
             for tile in call.tiles:
                 q_rows = slice(tile.q_rows.start - call.q_rows.start, tile.q_rows.stop - call.q_rows.start)
                 k_rows = slice(tile.k_rows.start - call.k_rows.start, tile.k_rows.stop - call.k_rows.start)
-                covered[0][q_rows], covered[1][k_rows] = True, True
                 alone = (*tile.forward(q0, k_part, v_part, SCALE),
                          *tile.backward(dout0, q0, k_part, v_part, span_out, span_lse, SCALE))
                 packed = (out[:, :, q_rows], lse[:, :, q_rows], grads[0][:, :, q_rows], grads[1][:, :, k_rows],
                           grads[2][:, :, k_rows])
                 for got, want in zip(packed, alone):
                     assert rel_err(got.float(), want.float()) <= 2e-2
-            assert not out[:, :, ~covered[0]].any() and (lse[:, :, ~covered[0]] == float("-inf")).all()
-            assert not grads[0][:, :, ~covered[0]].any() and not grads[1][:, :, ~covered[1]].any()

@@ -24,7 +24,7 @@ from .failures import failing_together
 from .grad_sum import GradSum
 from .merge import MergedResult
 from .registration import fake_result, nothing_kept, register_kept_kv
-from .tiles import attend_tiles, attend_tiles_backward, plan_calls
+from .tiles import attend_tiles, attend_tiles_backward, k_parts, plan_calls, q_parts
 
 
 def _gather_sequence(x, group, sharding):
@@ -48,7 +48,7 @@ def _calls(group, sharding, is_causal, window):
 def allgather_forward(q, k, v, group, scale, is_causal, window, sharding):
     k_all, v_all = _gather_sequence(k, group, sharding), _gather_sequence(v, group, sharding)
     calls = _calls(group, sharding, is_causal, window)
-    result = MergedResult(q, v, [call.q_rows for call in calls])
+    result = MergedResult(q, v, q_parts(calls))
     attend_tiles(q, k_all, v_all, calls, scale, result)
     return result.out, result.lse, k_all, v_all
 
@@ -57,9 +57,9 @@ def allgather_backward(dout, q, k, v, out, lse, k_all, v_all, group, scale, is_c
     if k_all is None:
         k_all, v_all = _gather_sequence(k, group, sharding), _gather_sequence(v, group, sharding)
     calls = _calls(group, sharding, is_causal, window)
-    dq = GradSum(q, [call.q_rows for call in calls])
+    dq = GradSum(q, q_parts(calls))
     # the whole sequence's dK and dV sum over every rank's: float32 until the reduce-scatter has added them
-    dk_all, dv_all = (GradSum(x, [call.k_rows for call in calls], dtype=lse.dtype) for x in (k_all, v_all))
+    dk_all, dv_all = (GradSum(x, k_parts(calls), dtype=lse.dtype) for x in (k_all, v_all))
     attend_tiles_backward(dout, q, k_all, v_all, out, lse, calls, scale, dq, dk_all, dv_all)
     dk, dv = (_reduce_scatter_sequence(g.result(), group, sharding).to(k.dtype).contiguous()
               for g in (dk_all, dv_all))

@@ -3,6 +3,7 @@ shares), each over some rows (``row_parts.py``)."""
 import torch
 
 from .row_parts import RowParts, segments
+from .words import copy_into
 
 
 class GradSum(RowParts):
@@ -36,7 +37,7 @@ class GradSum(RowParts):
                         and grad.is_contiguous():
                     self._total = grad
                 else:
-                    self._rows(segment).copy_(grad)
+                    copy_into(self._rows(segment), grad)
             elif first:
                 if not self.keep(run, part, rows.start):
                     self.running_rows(segment).copy_(grad)

@@ -5,6 +5,7 @@ from attn_compile.kernels.dispatch import merge_into
 from attn_compile.kernels.reference import lse_dtype
 
 from .row_parts import RowParts
+from .words import copy_into
 
 
 class MergedResult(RowParts):
@@ -31,7 +32,7 @@ class MergedResult(RowParts):
             out, lse = part_out[:, :, piece], part_lse[:, :, piece]
             if first:
                 if last:
-                    self.out[:, :, segment].copy_(out)
+                    copy_into(self.out[:, :, segment], out)
                 elif not self.keep(run, part_out, rows.start):
                     self.running_rows(segment).copy_(out)
                 self.lse[:, :, segment].copy_(lse)

@@ -10,10 +10,11 @@ buffers, so the mask means the same there.
 
 A varlen call's segments partition a contiguous run of rows in each buffer, in order, so tiles go
 into chains whose query rows and key rows both increase (``_chains``), and the rows between two
-tiles become filler segments: the query rows with no key, the key rows with no query. Filler query
-rows come out as a query that sees no key (out 0, LSE -inf) whatever the kernel wrote there, and
-filler rows' gradients as 0, so merging and adding the call's whole span is exact. The calls take
-the ``(1, H, S, D)`` shards as packed ``(S, H, D)`` views: packed documents are one batch entry.
+tiles become filler segments: the query rows with no key, the key rows with no query. What the
+kernel writes in filler rows is never read: a call's part of a result is its tiles' rows alone
+(``q_parts``, ``k_parts``), so a zigzag shard's rows that a call spans but does not attend are
+neither filled nor merged nor added. The calls take the ``(1, H, S, D)`` shards as packed
+``(S, H, D)`` views: packed documents are one batch entry.
 """
 import functools
 from dataclasses import dataclass
@@ -27,13 +28,15 @@ from attn_compile.kernels.visibility import effective_window
 from . import device_copies
 
 
-@dataclass(frozen=True)
-class _Segments:
-    """A packed call's arguments on one device."""
-    cu_seqlens_q: torch.Tensor
-    cu_seqlens_k: torch.Tensor
-    q_fillers: torch.Tensor  # rows of the query span that belong to no tile (int64); None where there are none
-    k_fillers: torch.Tensor
+def coalesced(rows) -> tuple[slice, ...]:
+    """Increasing, disjoint row ranges with the neighbours among them joined."""
+    joined = []
+    for r in rows:
+        if joined and joined[-1].stop == r.start:
+            joined[-1] = slice(joined[-1].start, r.stop)
+        else:
+            joined.append(r)
+    return tuple(joined)
 
 
 def on_diagonal(tile) -> bool:
@@ -66,61 +69,55 @@ class PackedTiles:
         return slice(self.tiles[0].k_rows.start, self.tiles[-1].k_rows.stop)
 
     @functools.cached_property
-    def _host_segments(self) -> tuple[list, list, list, list]:
-        """(query lengths, key lengths) of the segments, fillers included, and the filler rows of
-        each buffer, relative to the spans."""
-        q_lengths, k_lengths, q_fillers, k_fillers = [], [], [], []
+    def q_parts(self) -> tuple[slice, ...]:
+        """The query rows the call attends: its tiles', without the filler rows between them."""
+        return coalesced(tile.q_rows for tile in self.tiles)
+
+    @functools.cached_property
+    def k_parts(self) -> tuple[slice, ...]:
+        return coalesced(tile.k_rows for tile in self.tiles)
+
+    @functools.cached_property
+    def _host_segments(self) -> tuple[list, list]:
+        """(query lengths, key lengths) of the segments, fillers included."""
+        q_lengths, k_lengths = [], []
         q_row, k_row = self.q_rows.start, self.k_rows.start
         for tile in self.tiles:
             if tile.q_rows.start > q_row:
-                q_fillers += range(q_row - self.q_rows.start, tile.q_rows.start - self.q_rows.start)
                 q_lengths.append(tile.q_rows.start - q_row)
                 k_lengths.append(0)
             if tile.k_rows.start > k_row:
-                k_fillers += range(k_row - self.k_rows.start, tile.k_rows.start - self.k_rows.start)
                 q_lengths.append(0)
                 k_lengths.append(tile.k_rows.start - k_row)
             q_lengths.append(tile.q_rows.stop - tile.q_rows.start)
             k_lengths.append(tile.k_rows.stop - tile.k_rows.start)
             q_row, k_row = tile.q_rows.stop, tile.k_rows.stop
-        return q_lengths, k_lengths, q_fillers, k_fillers
+        return q_lengths, k_lengths
 
-    def _segments(self, device) -> _Segments:
-        """The call's segments on ``device`` (``device_copies``)."""
+    def _cu_seqlens(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The call's cumulative segment lengths on ``device`` (``device_copies``)."""
         def build():
-            q_lengths, k_lengths, q_fillers, k_fillers = self._host_segments
-            cu = [torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-                  for lengths in (q_lengths, k_lengths)]
-            return (*cu, *(torch.tensor(rows, dtype=torch.long) if rows else None for rows in (q_fillers, k_fillers)))
-        return _Segments(*device_copies.on_device(self, "segments", device, build))
+            return tuple(torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+                         for lengths in self._host_segments)
+        return device_copies.on_device(self, "segments", device, build)
 
     @functools.cached_property
     def _longest(self) -> tuple[int, int]:
         return max(self._host_segments[0]), max(self._host_segments[1])
 
-    def _call_args(self, segments: _Segments) -> tuple:
-        return segments.cu_seqlens_q, segments.cu_seqlens_k, *self._longest
-
     def forward(self, q, k, v, scale):
-        """(out (1, h_q, span, d_v), lse (1, h_q, span)) over the query span."""
-        segments = self._segments(q.device)
-        out, lse = varlen_forward(*self._operands((q,), (k, v)), *self._call_args(segments), scale=scale,
-                                  aligned=True, **self.masking)
-        fillers = segments.q_fillers
-        if fillers is not None:  # filling the filler rows alone, not masking the whole span
-            out.index_fill_(0, fillers, 0.0)
-            lse.index_fill_(0, fillers, float("-inf"))
+        """(out (1, h_q, span, d_v), lse (1, h_q, span)) over the query span; filler rows hold
+        whatever the kernel wrote (``q_parts``)."""
+        out, lse = varlen_forward(*self._operands((q,), (k, v)), *self._cu_seqlens(q.device), *self._longest,
+                                  scale=scale, aligned=True, **self.masking)
         return unpacked(out, 1), unpacked(lse, 1)
 
     def backward(self, dout, q, k, v, out, lse, scale):
-        """(dq over the query span, dk and dv over the key span), each (1, H, span, D)."""
-        segments = self._segments(q.device)
+        """(dq over the query span, dk and dv over the key span), each (1, H, span, D); filler rows
+        hold whatever the kernel wrote."""
         dout, q, k, v, out, lse = self._operands((dout, q), (k, v), (out, lse))
-        grads = varlen_backward(dout, q, k, v, out, lse, *self._call_args(segments), scale=scale, aligned=True,
-                                **self.masking)
-        for grad, fillers in zip(grads, (segments.q_fillers, segments.k_fillers, segments.k_fillers)):
-            if fillers is not None:
-                grad.index_fill_(0, fillers, 0.0)
+        grads = varlen_backward(dout, q, k, v, out, lse, *self._cu_seqlens(q.device), *self._longest, scale=scale,
+                                aligned=True, **self.masking)
         return tuple(unpacked(grad, 1) for grad in grads)
 
     def _operands(self, *groups):

@@ -30,7 +30,7 @@ from .grad_sum import GradSum, most_parts
 from .layout import Chunk
 from .merge import MergedResult
 from .registration import fake_result, nothing_kept, register_kept_kv
-from .tiles import Tile, attend_tiles, attend_tiles_backward, plan_calls, plan_tiles
+from .tiles import Tile, attend_tiles, attend_tiles_backward, k_parts, plan_calls, plan_tiles, q_parts
 from .ulysses import head_rows_bound
 from .words import contiguous
 
@@ -112,12 +112,11 @@ def halo_forward(q, k, v, group, scale, is_causal, window, sharding, kept=None):
     """The ring of two steps: the keys go one hop, so only the rows the next rank sees go (a
     window's halo on contiguous shards); they are received into ``kept`` (``kept_halo``) where given."""
     own, halo_calls, send_rows, receive_rows = _two_steps(group, is_causal, window, sharding)
-    k, v = sharding.pad(k, 2), sharding.pad(v, 2)
     into = kept and halo_views(kept, (k, v), receive_rows)
     for buffer, view in zip(kept or (), into or ()):
         buffer[view.numel():].zero_()  # never read, but an op's outputs are deterministic
     (k_halo, v_halo), works = _halo_exchange((k, v), group, KV_TAG, send_rows, receive_rows, into=into)
-    result = MergedResult(q, v, [call.q_rows for call in (*own, *halo_calls)])
+    result = MergedResult(q, v, q_parts((*own, *halo_calls)))
     attend_tiles(q, k, v, own, scale, result)
     wait(works, group)
     attend_tiles(q, k_halo, v_halo, halo_calls, scale, result)
@@ -130,7 +129,7 @@ def halo_grads_exact(sharding, is_causal: bool, window: tuple, q_rank: int, kv_r
     home in k's dtype, exactly the kernel's output, else in float32. Sender and receiver both decide
     it from the sender's calls, so the transfer's sizes match."""
     _, calls = halo(sharding, is_causal, window, q_rank, kv_rank)
-    return most_parts([call.k_rows for call in calls]) <= 1
+    return most_parts(k_parts(calls)) <= 1
 
 
 def _split_own(calls) -> tuple[tuple, tuple]:
@@ -149,20 +148,19 @@ def halo_backward(dout, q, k, v, out, lse, group, scale, is_causal, window, shar
     transfers run beside a kernel. The halo's dK and dV go home in k's dtype where each of their
     rows is one call's (exactly the kernel's output), else in float32, and every row's parts sum in
     float32, rounded once (``GradSum``)."""
-    rank, size, own_k, own_v = group.rank(), group.size(), k, v
+    rank, size = group.rank(), group.size()
     own, halo_calls, send_rows, receive_rows = _two_steps(group, is_causal, window, sharding)
-    k, v = sharding.pad(k, 2), sharding.pad(v, 2)
     if kept:
         (k_halo, v_halo), works = halo_views(kept, (k, v), receive_rows), []
         before, after = (), own
     else:
         (k_halo, v_halo), works = _halo_exchange((k, v), group, KV_TAG, send_rows, receive_rows)
         before, after = _split_own(own)
-    dq = GradSum(q, [call.q_rows for call in (*before, *halo_calls, *after)])
-    dk, dv = (GradSum(x, [*(call.k_rows for call in (*before, *after)), send_rows]) for x in (own_k, own_v))
+    dq = GradSum(q, q_parts((*before, *halo_calls, *after)))
+    dk, dv = (GradSum(x, [*k_parts((*before, *after)), send_rows]) for x in (k, v))
     sent_exact, received_exact = (halo_grads_exact(sharding, is_causal, window, q_rank, (q_rank - 1) % size)
                                   for q_rank in (rank, (rank + 1) % size))
-    dk_halo, dv_halo = (GradSum(x, [call.k_rows for call in halo_calls], dtype=None if sent_exact else lse.dtype)
+    dk_halo, dv_halo = (GradSum(x, k_parts(halo_calls), dtype=None if sent_exact else lse.dtype)
                         for x in (k_halo, v_halo))
     attend_tiles_backward(dout, q, k, v, out, lse, before, scale, dq, dk, dv)
     wait(works, group)
@@ -186,7 +184,7 @@ def ring_forward(q, k, v, group, scale, is_causal, window, sharding, kept=None):
         buffer.zero_()
     k, v = sharding.pad(k, 2), sharding.pad(v, 2)
     calls = [_calls(sharding, rank, (rank - step) % size, is_causal, window) for step in range(steps)]
-    result = MergedResult(q, v, [call.q_rows for step_calls in calls for call in step_calls])
+    result = MergedResult(q, v, [rows for step_calls in calls for rows in q_parts(step_calls)])
     for step in range(steps):
         if step + 1 < steps:
             next_kv, kv_works = pass_round((k, v), group, KV_TAG)
@@ -205,14 +203,14 @@ def ring_backward(dout, q, k, v, out, lse, group, scale, is_causal, window, shar
         return halo_backward(dout, q, k, v, out, lse, group, scale, is_causal, window, sharding, kept)
     k, v = sharding.pad(k, 2), sharding.pad(v, 2)
     calls = [_calls(sharding, rank, (rank - step) % size, is_causal, window) for step in range(steps)]
-    dq = GradSum(q, [call.q_rows for step_calls in calls for call in step_calls])
+    dq = GradSum(q, [rows for step_calls in calls for rows in q_parts(step_calls)])
     whole = slice(0, k.shape[2])  # every shard travels padded to one length
     for step in range(steps):
         if step + 1 < steps:
             next_kv, kv_works = pass_round((k, v), group, KV_TAG)
         # what the ranks before this one found for the same keys is a part too; the last step's
         # sums are the whole gradients of the keys of rank - (steps - 1), and go home in k's dtype
-        rows = [call.k_rows for call in calls[step]] + [whole] * (step > 0)
+        rows = k_parts(calls[step]) + [whole] * (step > 0)
         dk, dv = (GradSum(x, rows, dtype=None if step + 1 == steps else lse.dtype) for x in (k, v))
         attend_tiles_backward(dout, q, k, v, out, lse, calls[step], scale, dq, dk, dv)
         if step > 0:

@@ -46,6 +46,15 @@ class Tile:
         return attention_backward(dout[:, :, q_rows], q[:, :, q_rows], k[:, :, k_rows], v[:, :, k_rows],
                                   out[:, :, q_rows], lse[:, :, q_rows], scale=scale, **self.masking)
 
+    @property
+    def q_parts(self) -> tuple[slice, ...]:
+        """The query rows this call gives a result for (``packed_tiles.PackedTiles.q_parts``)."""
+        return (self.q_rows,)
+
+    @property
+    def k_parts(self) -> tuple[slice, ...]:
+        return (self.k_rows,)
+
     def split_queries(self) -> tuple["Tile", ...]:
         """The tile as two: the first half of its query rows and the rest, each against the keys
         it sees (a causal square's first half against the first half of its keys)."""
@@ -236,16 +245,36 @@ def plan_calls(q_chunks: tuple, k_chunks: tuple, is_causal: bool, window: tuple 
     return packed_calls([part for tile in tiles for part in _band_parts(tile)])
 
 
+def q_parts(calls) -> list[slice]:
+    """The query rows of each part ``calls`` add to a result (``merge.MergedResult``, ``grad_sum.GradSum``)."""
+    return [rows for call in calls for rows in call.q_parts]
+
+
+def k_parts(calls) -> list[slice]:
+    return [rows for call in calls for rows in call.k_parts]
+
+
+def _pieces(parts, span: slice, x):
+    """(rows, x's rows ``rows``) for each of ``parts``, where x holds the rows of ``span``."""
+    return ((rows, x[:, :, rows.start - span.start:rows.stop - span.start]) for rows in parts)
+
+
 def attend_tiles(q, k, v, calls, scale: float, result) -> None:
-    """Adds the attention of q to (k, v) over ``plan_calls``' calls into ``result`` (a ``merge.MergedResult``)."""
+    """Adds the attention of q to (k, v) over ``plan_calls``' calls into ``result`` (a
+    ``merge.MergedResult`` told their ``q_parts``)."""
     for call in calls:
-        result.add(call.q_rows, *call.forward(q, k, v, scale))
+        out, lse = call.forward(q, k, v, scale)
+        for (rows, out_rows), (_, lse_rows) in zip(_pieces(call.q_parts, call.q_rows, out),
+                                                  _pieces(call.q_parts, call.q_rows, lse)):
+            result.add(rows, out_rows, lse_rows)
 
 
 def attend_tiles_backward(dout, q, k, v, out, lse, calls, scale: float, dq, dk, dv) -> None:
-    """Adds (k, v)'s share of the gradients into dq, dk, dv (``grad_sum.GradSum``s told each call's
-    rows); out and lse are final."""
+    """Adds (k, v)'s share of the gradients into dq, dk, dv (``grad_sum.GradSum``s told the calls'
+    ``q_parts`` and ``k_parts``); out and lse are final."""
     for call in calls:
         grads = call.backward(dout, q, k, v, out, lse, scale)
-        for total, rows, grad in zip((dq, dk, dv), (call.q_rows, call.k_rows, call.k_rows), grads):
-            total.add(rows, grad)
+        for total, parts, span, grad in zip((dq, dk, dv), (call.q_parts, call.k_parts, call.k_parts),
+                                            (call.q_rows, call.k_rows, call.k_rows), grads):
+            for rows, piece in _pieces(parts, span, grad):
+                total.add(rows, piece)
