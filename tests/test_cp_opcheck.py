@@ -52,6 +52,18 @@ def _opcheck_all(rank, world):
         out, lse, *heads = op(q, k, v, *config)
         assert heads[0].shape[2] >= 11  # the whole batch's rows, and the bound's zeros after them
         torch.library.opcheck(backward.default, (torch.randn_like(out), *_detached(*heads), k.shape[1], *config))
+    # packed documents on the ring (its kept halo) and the all-gather (which gathers again): the
+    # shards' token-major memory, as varlen_attention hands them over, is the output's order
+    for op, backward, recompute_kv in ((ops.ring_attention, ops.ring_attention_backward, False),
+                                       (ops.allgather_attention, ops.allgather_attention_backward, True)):
+        config = (name, SCALE, True, "zigzag", 2, 0, cu_seqlens, 7)
+        forward_args = (q, k, v, name, world, *config[1:4], recompute_kv, *config[4:])
+        torch.library.opcheck(op.default, forward_args)
+        out, lse, k_kept, v_kept = op(*forward_args)
+        assert out.transpose(1, 2).is_contiguous()
+        kept = (None, None) if recompute_kv else (k_kept, v_kept)
+        torch.library.opcheck(backward.default, (torch.randn_like(out), *_detached(q, k, v, out), lse, *kept,
+                                                 *config))
     for layout in ("zigzag", "contiguous"):
         shard = [rank, 3 - rank] if layout == "zigzag" else [2 * rank, 2 * rank + 1]
         positions = torch.arange(16)[None].expand(2, -1) + torch.tensor([[0], [5]])

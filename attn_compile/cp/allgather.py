@@ -16,14 +16,15 @@ import torch
 from torch import Tensor
 
 from attn_compile.kernels.documents import packed, unpacked
+from attn_compile.kernels.result_layout import as_grad
 
 from .checks import check_call, sharding_of
 from .comm import all_gather_stacked, reduce_scatter_stacked, resolve, sized_group
 from .documents import ChunkSharding
 from .failures import failing_together
 from .grad_sum import GradSum
-from .merge import MergedResult
-from .registration import fake_result, nothing_kept, register_kept_kv
+from .merge import MergedResult, empty_result
+from .registration import nothing_kept, register_kept_kv
 from .tiles import attend_tiles, attend_tiles_backward, k_parts, plan_calls, q_parts
 
 
@@ -61,8 +62,8 @@ def allgather_backward(dout, q, k, v, out, lse, k_all, v_all, group, scale, is_c
     # the whole sequence's dK and dV sum over every rank's: float32 until the reduce-scatter has added them
     dk_all, dv_all = (GradSum(x, k_parts(calls), dtype=lse.dtype) for x in (k_all, v_all))
     attend_tiles_backward(dout, q, k_all, v_all, out, lse, calls, scale, dq, dk_all, dv_all)
-    dk, dv = (_reduce_scatter_sequence(g.result(), group, sharding).to(k.dtype).contiguous()
-              for g in (dk_all, dv_all))
+    dk, dv = (as_grad(_reduce_scatter_sequence(g.result(), group, sharding).to(x.dtype), x)
+              for g, x in ((dk_all, k), (dv_all, v)))
     return dq.result(), dk, dv
 
 
@@ -89,8 +90,8 @@ def allgather_attention(q: Tensor, k: Tensor, v: Tensor, group_name: str, group_
 def _(q, k, v, group_name, group_size, scale, is_causal, layout, recompute_kv, window_left=-1, window_right=-1,
       cu_seqlens=None, max_seqlen=0):
     if recompute_kv:
-        return (*fake_result(q, v), *nothing_kept(k, v))
-    return (*fake_result(q, v), *(x.new_empty((*x.shape[:2], x.shape[2] * group_size, x.shape[3])) for x in (k, v)))
+        return (*empty_result(q, v), *nothing_kept(k, v))
+    return (*empty_result(q, v), *(x.new_empty((*x.shape[:2], x.shape[2] * group_size, x.shape[3])) for x in (k, v)))
 
 
 @torch.library.custom_op("attn_cp::allgather_attention_backward", mutates_args=())

@@ -7,10 +7,10 @@ from .words import copy_into
 
 
 class GradSum(RowParts):
-    """The sum of parts over rows of a (B, H, S, D) gradient shaped like ``like``, computed in
-    float32 and rounded once to ``dtype`` (like's by default). A row of one part is that part
-    copied in, and a part that is the whole result (contiguous, as the result always is) is taken
-    as it is; a row of two parts is their sum written once, with no float32 buffer (an add of two
+    """The sum of parts over rows of a (B, H, S, D) gradient shaped and laid out like ``like``
+    (``torch.empty_like``), computed in float32 and rounded once to ``dtype`` (like's by default).
+    A row of one part is that part copied in, and a part that is the whole result (laid out as the
+    result) is taken as it is; a row of two parts is their sum written once, with no float32 buffer (an add of two
     half-precision tensors computes in float32 and rounds once), where float32 zeros cost a fill,
     an add per part and a cast. Rows no part covers are 0.
     """
@@ -18,14 +18,14 @@ class GradSum(RowParts):
     def __init__(self, like: torch.Tensor, parts_rows: list[slice], dtype=None):
         self._like, self._dtype = like, like.dtype if dtype is None else dtype
         running_dtype = torch.promote_types(self._dtype, torch.float32)
-        super().__init__(like.shape[2], parts_rows, running=(like.shape, running_dtype, like.device))
+        super().__init__(like.shape[2], parts_rows, running=(like, running_dtype))
         self._total = None
         for segment in self.uncovered():
             self._rows(segment).zero_()
 
     def _rows(self, segment: slice) -> torch.Tensor:
         if self._total is None:
-            self._total = self._like.new_empty(self._like.shape, dtype=self._dtype)
+            self._total = torch.empty_like(self._like, dtype=self._dtype)
         return self._total[:, :, segment]
 
     def add(self, rows: slice, part: torch.Tensor) -> None:
@@ -34,7 +34,7 @@ class GradSum(RowParts):
             grad = part[:, :, piece]
             if first and last:
                 if self._total is None and grad.shape == self._like.shape and grad.dtype == self._dtype \
-                        and grad.is_contiguous():
+                        and grad.stride() == torch.empty_like(self._like, device="meta").stride():
                     self._total = grad
                 else:
                     copy_into(self._rows(segment), grad)

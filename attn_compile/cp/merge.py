@@ -3,9 +3,17 @@ import torch
 
 from attn_compile.kernels.dispatch import merge_into
 from attn_compile.kernels.reference import lse_dtype
+from attn_compile.kernels.result_layout import empty_out
 
 from .row_parts import RowParts
 from .words import copy_into
+
+
+def empty_result(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) as a merged result lies in memory: out (*q.shape[:-1], d_v) in q's order of (B,
+    H, S), as the single-GPU op's (``result_layout.py``), so that the parts of packed documents and of
+    transposed projections (token-major) copy and merge row by row; lse q.shape[:-1]."""
+    return empty_out(q, v.shape[-1]), q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
 
 
 class MergedResult(RowParts):
@@ -19,9 +27,8 @@ class MergedResult(RowParts):
     """
 
     def __init__(self, q: torch.Tensor, v: torch.Tensor, parts_rows: list[slice]):
-        self.out = q.new_empty((*q.shape[:-1], v.shape[-1]))
-        self.lse = q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
-        super().__init__(q.shape[2], parts_rows, running=(self.out.shape, self.lse.dtype, q.device))
+        self.out, self.lse = empty_result(q, v)
+        super().__init__(q.shape[2], parts_rows, running=(self.out, self.lse.dtype))
         for segment in self.uncovered():
             self.out[:, :, segment].zero_()
             self.lse[:, :, segment].fill_(float("-inf"))

@@ -15,13 +15,14 @@ from attn_compile.kernels.reference import lse_dtype
 
 
 def fake_result(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) shaped as every op returns them: out (*q.shape[:-1], d_v), lse q.shape[:-1]."""
+    """(out, lse) as the head-exchanging ops return them: out (*q.shape[:-1], d_v) and lse
+    q.shape[:-1], contiguous (ring and all-gather: ``merge.empty_result``)."""
     return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
 
 
 def fake_grads(q, k, v) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv), contiguous whatever the layout of q, k and v."""
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    """(dq, dk, dv), each laid out as its input (``torch.empty_like``)."""
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def nothing_kept(k, v) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,17 +22,17 @@ import torch
 from torch import Tensor
 
 from attn_compile.cost_model import halo_reach
+from attn_compile.kernels.result_layout import as_grad
 
 from .checks import check_call, sharding_of
 from .comm import pass_round, resolve, sized_group
 from .failures import failing_together, wait
 from .grad_sum import GradSum, most_parts
 from .layout import Chunk
-from .merge import MergedResult
-from .registration import fake_result, nothing_kept, register_kept_kv
+from .merge import MergedResult, empty_result
+from .registration import nothing_kept, register_kept_kv
 from .tiles import Tile, attend_tiles, attend_tiles_backward, k_parts, plan_calls, plan_tiles, q_parts
 from .ulysses import head_rows_bound
-from .words import contiguous
 
 KV_TAG, GRAD_TAG = 0, 1
 
@@ -197,7 +197,7 @@ def ring_forward(q, k, v, group, scale, is_causal, window, sharding, kept=None):
 
 def ring_backward(dout, q, k, v, out, lse, group, scale, is_causal, window, sharding, kept=None):
     """(dq, dk, dv); ``kept``: the halo ``ring_forward`` kept, or None."""
-    rank, size, k_len = group.rank(), group.size(), k.shape[2]
+    rank, size, own_k, own_v = group.rank(), group.size(), k, v
     steps = ring_steps(sharding, is_causal, window)
     if steps == 2:
         return halo_backward(dout, q, k, v, out, lse, group, scale, is_causal, window, sharding, kept)
@@ -223,7 +223,7 @@ def ring_backward(dout, q, k, v, out, lse, group, scale, is_causal, window, shar
             k, v = next_kv
     (dk, dv), works = pass_round((dk.result(), dv.result()), group, GRAD_TAG, shift=1 - steps)
     wait(works, group)
-    return dq.result(), *(contiguous(g[:, :, :k_len]) for g in (dk, dv))
+    return dq.result(), *(as_grad(g[:, :, :x.shape[2]], x) for g, x in ((dk, own_k), (dv, own_v)))
 
 
 @torch.library.custom_op("attn_cp::ring_attention", mutates_args=())
@@ -245,7 +245,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group_name: str, group_size:
 @ring_attention.register_fake
 def _(q, k, v, group_name, group_size, scale, is_causal, layout, recompute_kv, window_left=-1, window_right=-1,
       cu_seqlens=None, max_seqlen=0):
-    return *fake_result(q, v), *(kept_halo(k, v, group_size, recompute_kv, layout, cu_seqlens, is_causal,
+    return *empty_result(q, v), *(kept_halo(k, v, group_size, recompute_kv, layout, cu_seqlens, is_causal,
                                            (window_left, window_right)) or nothing_kept(k, v))
 
 

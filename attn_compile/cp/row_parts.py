@@ -20,8 +20,8 @@ def segments(rows: int, parts_rows: list[slice]) -> tuple[list[slice], list[int]
 
 
 class RowParts:
-    """``running``: (shape, dtype, device) of the float32 buffer where three or more parts
-    combine, made when first needed."""
+    """``running``: (a tensor shaped and laid out as the result, the dtype) of the float32 buffer
+    where three or more parts combine, made when first needed."""
 
     def __init__(self, rows: int, parts_rows: list[slice], running: tuple):
         self._segments, self._parts = segments(rows, parts_rows)
@@ -67,8 +67,8 @@ class RowParts:
     def running_rows(self, segment: slice) -> torch.Tensor:
         """Rows ``segment`` of the float32 buffer where parts combine."""
         if self._running is None:
-            shape, dtype, device = self._running_spec
-            self._running = torch.empty(shape, dtype=dtype, device=device)
+            like, dtype = self._running_spec
+            self._running = torch.empty_like(like, dtype=dtype)
         return self._running[:, :, segment]
 
     def kept_or_running(self, run: list, segment: slice) -> torch.Tensor:
