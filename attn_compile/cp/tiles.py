@@ -254,9 +254,9 @@ def k_parts(calls) -> list[slice]:
     return [rows for call in calls for rows in call.k_parts]
 
 
-def _pieces(parts, span: slice, x):
-    """(rows, x's rows ``rows``) for each of ``parts``, where x holds the rows of ``span``."""
-    return ((rows, x[:, :, rows.start - span.start:rows.stop - span.start]) for rows in parts)
+def _within(rows: slice, span: slice) -> slice:
+    """``rows`` counted from the start of ``span``, the rows a call's results hold."""
+    return slice(rows.start - span.start, rows.stop - span.start)
 
 
 def attend_tiles(q, k, v, calls, scale: float, result) -> None:
@@ -264,9 +264,9 @@ def attend_tiles(q, k, v, calls, scale: float, result) -> None:
     ``merge.MergedResult`` told their ``q_parts``)."""
     for call in calls:
         out, lse = call.forward(q, k, v, scale)
-        for (rows, out_rows), (_, lse_rows) in zip(_pieces(call.q_parts, call.q_rows, out),
-                                                  _pieces(call.q_parts, call.q_rows, lse)):
-            result.add(rows, out_rows, lse_rows)
+        for rows in call.q_parts:
+            piece = _within(rows, call.q_rows)
+            result.add(rows, out[:, :, piece], lse[:, :, piece])
 
 
 def attend_tiles_backward(dout, q, k, v, out, lse, calls, scale: float, dq, dk, dv) -> None:
@@ -276,5 +276,5 @@ def attend_tiles_backward(dout, q, k, v, out, lse, calls, scale: float, dq, dk, 
         grads = call.backward(dout, q, k, v, out, lse, scale)
         for total, parts, span, grad in zip((dq, dk, dv), (call.q_parts, call.k_parts, call.k_parts),
                                             (call.q_rows, call.k_rows, call.k_rows), grads):
-            for rows, piece in _pieces(parts, span, grad):
-                total.add(rows, piece)
+            for rows in parts:
+                total.add(rows, grad[:, :, _within(rows, span)])
