@@ -10,9 +10,9 @@ class GradSum(RowParts):
     """The sum of parts over rows of a (B, H, S, D) gradient shaped and laid out like ``like``
     (``torch.empty_like``), computed in float32 and rounded once to ``dtype`` (like's by default).
     A row of one part is that part copied in, and a part that is the whole result (laid out as the
-    result) is taken as it is; a row of two parts is their sum written once, with no float32 buffer (an add of two
-    half-precision tensors computes in float32 and rounds once), where float32 zeros cost a fill,
-    an add per part and a cast. Rows no part covers are 0.
+    result) is taken as it is; a row of two parts is their sum written once, with no float32
+    buffer (an add of two half-precision tensors computes in float32 and rounds once), where
+    float32 zeros cost a fill, an add per part and a cast. Rows no part covers are 0.
     """
 
     def __init__(self, like: torch.Tensor, parts_rows: list[slice], dtype=None):
