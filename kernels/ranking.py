@@ -69,8 +69,9 @@ TABLE = {  # class: its rows, the shortest bound first
         "Mistral-shaped B2 S 4096, GQA 32/8, causal window 1023, its packed rows' documents; the same order at 8192")],
     "document ids, softcap": [
         Measured({"triton": 0.370, "fa4 segments": 0.502}, {"triton": 2.717, "fa4 segments": 3.859}, "ms",
-                 "forward: run T (the next row); backward: one site of the compiled Gemma-2-shaped stack, packed B2 S4096, "
-                 "attention fwd+bwd with Triton's forward and each backward, bound by host time (BENCHMARKS.md)",
+                 "forward: run T (the next row); backward: one site of the compiled Gemma-2-shaped stack, packed "
+                 "B2 S4096, attention fwd+bwd with Triton's forward and each backward, bound by host time "
+                 "(BENCHMARKS.md)",
                  up_to=4096),
         Measured({"triton": 0.370, "fa4 segments": 0.502}, {"fa4 segments": 1.246, "triton": 1.677}, "ms",
                  "H200, run T: each kernel called directly, Gemma-2-shaped GQA 16/8 d256, softcap 50, window 4096, "
