@@ -147,9 +147,9 @@ def _varlen_kernel_of(problem):
     return _first(FUSED_VARLEN, problem, packed=True)
 
 
-def _varlen_kernel(q, k, v, masking, aligned=True, backward=False):
+def _varlen_kernel(q, k, v, masking, aligned=True, ends_aligned=False, backward=False):
     return _varlen_kernel_of(Problem.of(*(unpacked(x, 1) for x in (q, k, v)), **masking, aligned=aligned,
-                                        backward=backward))
+                                        ends_aligned=ends_aligned, backward=backward))
 
 
 def select_varlen_kernel(q, k, v, seqused_k=None, **masking) -> str:
@@ -159,31 +159,45 @@ def select_varlen_kernel(q, k, v, seqused_k=None, **masking) -> str:
     return kernel.name if kernel else REFERENCE
 
 
-def _varlen_entry(q, k, v, cu_seqlens_q, cu_seqlens_k, masking, seqused_k, aligned, which: str):
+def runs_ends_aligned(q, k, v, **masking) -> bool:
+    """Whether packed segments that end together (``varlen_forward``'s ``ends_aligned``) run on a
+    fused kernel both ways, or need the reference only where segments that are squares would too.
+    q, k, v: (1, H, S, D) packed rows, or anything with their shape, dtype and device."""
+    def kernel(backward, **alignment):
+        return _varlen_kernel_of(Problem.of(q, k, v, **masking, **alignment, backward=backward))
+    return all(kernel(backward, aligned=False, ends_aligned=True) is not None or kernel(backward) is None
+               for backward in (False, True))
+
+
+def _varlen_entry(q, k, v, cu_seqlens_q, cu_seqlens_k, masking, seqused_k, aligned, ends_aligned, which: str):
     """The kernel's forward or backward for these packed documents, with ``seqused_k`` bound where
     given (only the reference takes it)."""
-    if seqused_k is not None:
-        return functools.partial(getattr(reference, which), seqused_k=seqused_k)
-    kernel = _varlen_kernel(q, k, v, masking, aligned=cu_seqlens_q is cu_seqlens_k if aligned is None else aligned,
-                            backward=which == "varlen_backward")
-    return getattr(kernel, which.removeprefix("varlen_")) if kernel else getattr(reference, which)
+    kernel = None if seqused_k is not None else _varlen_kernel(
+        q, k, v, masking, aligned=cu_seqlens_q is cu_seqlens_k if aligned is None else aligned,
+        ends_aligned=ends_aligned, backward=which == "varlen_backward")
+    if kernel is None:
+        return functools.partial(getattr(reference, which), seqused_k=seqused_k, ends_aligned=ends_aligned)
+    return getattr(kernel, which.removeprefix("varlen_"))
 
 
 def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale, seqused_k=None,
-                   aligned=None, **masking):
+                   aligned=None, ends_aligned=False, **masking):
     """(out (total_q, h_q, d_v), lse (total_q, h_q)) of packed documents; masking: is_causal, window and
     softcap. ``seqused_k`` (each document's keys are its first seqused_k[i] rows) runs on the reference.
     Distinct cu_seqlens_q and cu_seqlens_k tensors count as documents whose query and key lengths
     differ (FA2 and FA4 align their masks bottom-right, the others top-left), unless ``aligned``
     says the lengths agree wherever a document has both queries and keys (the rows lie elsewhere
-    in q and k)."""
-    forward = _varlen_entry(q, k, v, cu_seqlens_q, cu_seqlens_k, masking, seqused_k, aligned, "varlen_forward")
+    in q and k), or ``ends_aligned`` that each document's last query and last key share a position
+    (bottom-right; ``runs_ends_aligned`` says whether a fused kernel takes it)."""
+    forward = _varlen_entry(q, k, v, cu_seqlens_q, cu_seqlens_k, masking, seqused_k, aligned, ends_aligned,
+                            "varlen_forward")
     return forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=scale, **masking)
 
 
 def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale,
-                    seqused_k=None, aligned=None, **masking):
-    backward = _varlen_entry(q, k, v, cu_seqlens_q, cu_seqlens_k, masking, seqused_k, aligned, "varlen_backward")
+                    seqused_k=None, aligned=None, ends_aligned=False, **masking):
+    backward = _varlen_entry(q, k, v, cu_seqlens_q, cu_seqlens_k, masking, seqused_k, aligned, ends_aligned,
+                             "varlen_backward")
     return backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=scale,
                     **masking)
 

@@ -235,11 +235,12 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
 
 
 def supports_varlen(p: Problem) -> bool:
-    """Packed documents: their query and key positions must line up (one cu_seqlens tensor, or
-    segments the caller says are squares) for any mask, FA4 aligning its masks bottom-right. Each
-    segment then aligns on its own, so the mask is judged as on a square, whatever the lengths of
-    the buffers (a context-parallel step's packed call spans other query rows than key rows)."""
-    return not p.offset and supports(dataclasses.replace(p, s_k=p.s_q, k_shift=0))
+    """Packed documents: under any mask each segment's last query must sit at its last key's
+    position, FA4's bottom-right alignment: one cu_seqlens tensor, segments the caller says are
+    squares, or segments it says end together (``ends_aligned``). Each segment then aligns on its
+    own, so the mask is judged as on a square, whatever the lengths of the buffers (a
+    context-parallel step's packed call spans other query rows than key rows)."""
+    return (not p.offset or p.ends_aligned) and supports(dataclasses.replace(p, s_k=p.s_q, k_shift=0))
 
 
 FA4 = Kernel("fa4", supports, attention_forward, attention_backward)

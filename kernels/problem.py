@@ -32,6 +32,7 @@ class Problem:
     softcapped: bool = False  # scores capped by softcap * tanh(scores / softcap)
     window: tuple[int, int] = (-1, -1)  # (left, right), -1 unbounded
     k_shift: int = 0  # k_offset - q_offset: where the keys start relative to the queries
+    ends_aligned: bool = False  # packed segments whose last query and last key share a position
     backward: bool = False  # the call is the backward pass
 
     @property
@@ -40,14 +41,18 @@ class Problem:
 
     @classmethod
     def of(cls, q, k, v, *, is_causal=False, window=(-1, -1), attn_mask=None, key_padding_mask=None, q_offset=0,
-           k_offset=0, document_ids=None, softcap=0.0, aligned=True, backward=False):
+           k_offset=0, document_ids=None, softcap=0.0, aligned=True, ends_aligned=False, backward=False):
         """q, k, v: tensors, or anything with their shape, dtype and device. ``aligned=False``: packed
-        documents whose query and key lengths may differ, so their positions need not line up."""
+        documents whose query and key lengths may differ, so their positions need not line up;
+        ``ends_aligned``: they differ, but each segment's last query sits at its last key's position
+        (FA2's and FA4's bottom-right alignment)."""
         return cls(
             device_type=q.device.type, sm=capability(q.device), dtype=q.dtype,
             h_q=q.shape[1], h_kv=k.shape[1], s_q=q.shape[2], s_k=k.shape[2], d_qk=q.shape[-1], d_v=v.shape[-1],
             is_causal=bool(is_causal), has_mask=attn_mask is not None,
             has_key_padding=key_padding_mask is not None, has_documents=document_ids is not None,
-            offset=(bool(is_causal) or tuple(window) != (-1, -1)) and (q_offset != k_offset or not aligned),
-            softcapped=bool(softcap), window=tuple(window), k_shift=k_offset - q_offset, backward=backward,
+            offset=(bool(is_causal) or tuple(window) != (-1, -1)) and (q_offset != k_offset or not aligned
+                                                                          or ends_aligned),
+            softcapped=bool(softcap), window=tuple(window), k_shift=k_offset - q_offset, ends_aligned=ends_aligned,
+            backward=backward,
         )

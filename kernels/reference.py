@@ -142,26 +142,36 @@ def _dense(x):
     return unpacked(x, 1)
 
 
+def _positions(q_rows: slice, k_rows: slice, ends_aligned: bool) -> dict:
+    """A document's query and key positions: both from 0 (top-left), or, ``ends_aligned``, its
+    last query at its last key's position (bottom-right, as FA2 and FA4 align)."""
+    if not ends_aligned:
+        return {}
+    return dict(q_offset=(k_rows.stop - k_rows.start) - (q_rows.stop - q_rows.start))
+
+
 def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale, is_causal=False,
-                   window=(-1, -1), softcap=0.0, seqused_k=None):
+                   window=(-1, -1), softcap=0.0, seqused_k=None, ends_aligned=False):
     """Packed documents (total, H, D), one call per document: out (total_q, h_q, d_v), lse (total_q, h_q).
-    ``seqused_k``: (documents,) int, each document's keys are the first seqused_k[i] of its rows."""
+    ``seqused_k``: (documents,) int, each document's keys are the first seqused_k[i] of its rows.
+    ``ends_aligned``: masks align a document's last query with its last key (else its first ones)."""
     out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
     lse = q.new_full(q.shape[:-1], float("-inf"), dtype=lse_dtype(q.dtype))
     for q_rows, k_rows in _document_rows(cu_seqlens_q, cu_seqlens_k, seqused_k):
         part_out, part_lse = attention_forward(_dense(q[q_rows]), _dense(k[k_rows]), _dense(v[k_rows]), scale=scale,
-                                               is_causal=is_causal, window=window, softcap=softcap)
+                                               is_causal=is_causal, window=window, softcap=softcap,
+                                               **_positions(q_rows, k_rows, ends_aligned))
         out[q_rows], lse[q_rows] = packed(part_out), packed(part_lse)
     return out, lse
 
 
 def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale,
-                    is_causal=False, window=(-1, -1), softcap=0.0, seqused_k=None):
+                    is_causal=False, window=(-1, -1), softcap=0.0, seqused_k=None, ends_aligned=False):
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for q_rows, k_rows in _document_rows(cu_seqlens_q, cu_seqlens_k, seqused_k):
         grads = attention_backward(_dense(dout[q_rows]), _dense(q[q_rows]), _dense(k[k_rows]), _dense(v[k_rows]),
                                    _dense(out[q_rows]), _dense(lse[q_rows]), scale=scale, is_causal=is_causal,
-                                   window=window, softcap=softcap)
+                                   window=window, softcap=softcap, **_positions(q_rows, k_rows, ends_aligned))
         for acc, rows, grad in zip((dq, dk, dv), (q_rows, k_rows, k_rows), grads):
             acc[rows] = packed(grad)
     return dq, dk, dv

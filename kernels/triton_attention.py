@@ -294,4 +294,9 @@ def merge_forward(out_a, lse_a, out_b, lse_b, *, out=None, lse=None):
 
 
 Triton = Kernel("triton", supports, attention_forward, attention_backward)  # every mask argument
-TritonVarlen = Kernel("triton", supports, varlen_forward, varlen_backward)  # packed documents
+def supports_varlen(p: Problem) -> bool:
+    """Packed documents, whose masks align top-left: not segments that end together under a mask."""
+    return supports(p) and not (p.ends_aligned and p.offset)
+
+
+TritonVarlen = Kernel("triton", supports_varlen, varlen_forward, varlen_backward)  # packed documents

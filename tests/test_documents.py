@@ -190,11 +190,13 @@ def test_shard_and_unshard_varlen(world):
     run_distributed(_check_shard_and_unshard, world)
 
 
+@pytest.mark.parametrize("ends_aligned", [False, True])
 @pytest.mark.parametrize("window", [(-1, -1), (3, 0), (2, 2)])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("cp", [2, 3, 4])
-def test_tiles_compute_every_visible_pair_of_a_document_once(cp, is_causal, layout, window):
+def test_tiles_compute_every_visible_pair_of_a_document_once(cp, is_causal, layout, window, ends_aligned):
+    """Planned for kernels that take squares only, or also packed segments that end together."""
     cu = _cu(_random_lengths(cp, seed=cp))
     sharding = DocumentSharding(cu, cp, layout)
     document, position = _documents_and_positions(cu)
@@ -203,9 +205,9 @@ def test_tiles_compute_every_visible_pair_of_a_document_once(cp, is_causal, layo
     held, total = _held(sharding), cu[-1]
     for q_rank, q_tokens in enumerate(held):
         q_chunks = sharding.chunks(q_rank)
-        ring = sum(covered(plan_tiles(q_chunks, sharding.chunks(k_rank), is_causal, window), q_tokens, k_tokens,
-                           total) for k_rank, k_tokens in enumerate(held))
-        whole = covered(plan_tiles(q_chunks, sharding.whole_chunks(), is_causal, window), q_tokens,
+        ring = sum(covered(plan_tiles(q_chunks, sharding.chunks(k_rank), is_causal, window, ends_aligned), q_tokens,
+                           k_tokens, total) for k_rank, k_tokens in enumerate(held))
+        whole = covered(plan_tiles(q_chunks, sharding.whole_chunks(), is_causal, window, ends_aligned), q_tokens,
                         torch.arange(total), total)
         assert torch.equal(ring[q_tokens], want[q_tokens])
         assert torch.equal(whole[q_tokens], want[q_tokens])

@@ -11,6 +11,7 @@ import torch
 
 from attn_compile.kernels import dispatch, fa4, ranking, reference
 from attn_compile.kernels.triton_runs import fill_runs, find_runs, finish_key_grads
+from attn_compile.kernels.kernel import Kernel
 from attn_compile.kernels.problem import Problem
 from oracle import errors_against_oracle, rel_err
 
@@ -410,9 +411,10 @@ def test_context_parallel_tiles_go_to_fa4(standin, layout):
     assert all(taken for taken, _ in (*causal.values(), *windowed.values())), (causal, windowed)
 
 
-def _packed_calls(cp, layout, window):
+def _packed_calls(cp, layout, window, ends_aligned=False):
     """Every packed call (``packed_tiles.PackedTiles``) of the ring's steps and the all-gather on
-    ``cp`` ranks, causal, over documents of mixed lengths."""
+    ``cp`` ranks, causal, over documents of mixed lengths; ``ends_aligned``: planned for kernels
+    that take segments that end together."""
     from attn_compile.cp.documents import DocumentSharding
     from attn_compile.cp.packed_tiles import PackedTiles
     from attn_compile.cp.tiles import plan_calls
@@ -420,38 +422,68 @@ def _packed_calls(cp, layout, window):
     sharding = DocumentSharding((0, *itertools.accumulate([37, 1, 5, 120, 64, 3, 90, 17, 200])), cp, layout)
     for rank in range(cp):
         for keys in [*(sharding.chunks(source) for source in range(cp)), sharding.whole_chunks()]:
-            yield from (c for c in plan_calls(sharding.chunks(rank), keys, True, window) if isinstance(c, PackedTiles))
+            calls = plan_calls(sharding.chunks(rank), keys, True, window, ends_aligned)
+            yield from (c for c in calls if isinstance(c, PackedTiles))
 
 
 @pytest.mark.parametrize("window", [(-1, -1), (24, 0)])
 def test_context_parallel_packed_calls_go_to_fa4(standin, window):
     """A packed call's segments are squares on the diagonal (and fillers), each aligned on its own,
-    so FA4 takes every one, though the call's query and key spans differ in length either way."""
+    so FA4 takes every one, though the call's query and key spans differ in length either way.
+    Planned for segments that end together, FA4 takes those calls too."""
     spans = set()
-    for cp, layout in itertools.product((2, 4), ("zigzag", "contiguous")):
-        for call in _packed_calls(cp, layout, window):
+    for cp, layout, ends_aligned in itertools.product((2, 4), ("zigzag", "contiguous"), (False, True)):
+        for call in _packed_calls(cp, layout, window, ends_aligned):
             s_q, s_k = (rows.stop - rows.start for rows in (call.q_rows, call.k_rows))
             spans.add((s_q > s_k) - (s_q < s_k))
-            assert fa4.supports_varlen(_on(_problem(s_q=s_q, s_k=s_k, **call.masking))), (call, s_q, s_k)
+            alignment = dict(aligned=False, ends_aligned=True) if call.ends_aligned else {}
+            assert fa4.supports_varlen(_on(_problem(s_q=s_q, s_k=s_k, **alignment, **call.masking))), (call, s_q, s_k)
     assert spans == {-1, 0, 1}
 
 
+def test_segments_that_end_together_run_where_a_kernel_aligns_them_so(standin, monkeypatch):
+    """Packed segments that end together under a mask go to FA4, which aligns each segment's masks
+    bottom-right, not to a kernel that takes only squares (Triton's varlen kernel aligns top-left);
+    where no fused kernel takes them but one would take squares, the all-gather plans squares
+    (``runs_ends_aligned`` false). On the CPU the reference runs both, so it plans them."""
+    class OnCuda(Problem):
+        @classmethod
+        def of(cls, *args, **kwargs):
+            return _on(Problem.of(*args, **kwargs))
+
+    squares_only = Kernel("triton", lambda p: p.device_type == "cuda" and not p.offset, None, None)
+    q, k, v = (torch.empty(1, h, 256, 64, dtype=torch.bfloat16) for h in (8, 2, 2))
+    masking = dict(is_causal=True, window=(64, 0))
+    with monkeypatch.context() as patch:
+        patch.setattr(dispatch, "Problem", OnCuda)
+        patch.setattr(dispatch, "FUSED_VARLEN", (dispatch.FA4Varlen, squares_only))
+        assert dispatch.runs_ends_aligned(q, k, v, **masking)
+        patch.setattr(fa4, "interface", lambda: None)
+        assert not dispatch.runs_ends_aligned(q, k, v, **masking)
+        assert dispatch.runs_ends_aligned(q, k, v)  # no mask: squares or not, the same call
+    assert dispatch.runs_ends_aligned(q, k, v, **masking)
+
+
+@pytest.mark.parametrize("ends_aligned", [False, True])
 @pytest.mark.parametrize("window", [(-1, -1), (24, 0)])
-def test_context_parallel_packed_calls_on_fa4_match_the_reference(standin, monkeypatch, window):
+def test_context_parallel_packed_calls_on_fa4_match_the_reference(standin, monkeypatch, window, ends_aligned):
     """Through the stand-in (FA4's bottom-right alignment per segment), each packed call of 2 ranks
-    gives the reference's out, LSE and gradients, filler rows included."""
+    gives the reference's out, LSE and gradients, filler rows included; so do the calls of
+    segments that end together (the reference aligning them so)."""
     from attn_compile.cp import packed_tiles
 
     torch.manual_seed(3)
     q, k, v, dout = (torch.randn(1, h, 600, d, dtype=torch.float64) for h, d in ((4, 16), (2, 16), (2, 8), (4, 8)))
     on_fa4 = {"varlen_forward": fa4.varlen_forward, "varlen_backward": fa4.varlen_backward}
-    calls = list(_packed_calls(2, "zigzag", window))
+    calls = list(_packed_calls(2, "zigzag", window, ends_aligned))
+    assert all(call.ends_aligned is (ends_aligned and bool(call.masking)) for call in calls)
     for call in calls:
         results = []
         for kernels in ({}, on_fa4):
             with monkeypatch.context() as patch:
                 for name, kernel in kernels.items():
-                    patch.setattr(packed_tiles, name, lambda *args, aligned, _kernel=kernel, **kw: _kernel(*args, **kw))
+                    patch.setattr(packed_tiles, name, lambda *args, aligned, ends_aligned=False, _kernel=kernel, **kw:
+                                   _kernel(*args, **kw))
                 out, lse = call.forward(q, k, v, 0.25)
                 span_out, span_lse = torch.zeros_like(dout), torch.full(q.shape[:3], float("-inf"), dtype=torch.float64)
                 span_out[:, :, call.q_rows], span_lse[:, :, call.q_rows] = out, lse

@@ -15,6 +15,7 @@ from attn_compile.cp.layout import SequenceSharding
 from attn_compile.cp.merge import MergedResult
 from attn_compile.cp.packed_tiles import PackedTiles
 from attn_compile.cp.tiles import Tile, attend_tiles, attend_tiles_backward, k_parts, plan_calls, plan_tiles, q_parts
+from attn_compile.kernels.dispatch import runs_ends_aligned
 from attn_compile.kernels.visibility import effective_window
 from oracle import naive_attention, rel_err
 
@@ -69,10 +70,11 @@ def _oracle(q, k, v, dout, cu, is_causal, window):
     return [torch.cat(column, 2) for column in zip(*parts)]
 
 
-def _run_steps(sharding, is_causal, window, strategy, counts, seed=0):
+def _run_steps(sharding, is_causal, window, strategy, counts, seed=0, ends_aligned=False):
     """Runs every rank's ring (or all-gather) step by step in this process, in float64, checks the
     whole batch's out, dq, dk, dv against the oracle, and returns the kernel calls of each (rank,
-    step), forward steps first."""
+    step), forward steps first. ``ends_aligned``: plan for kernels that take packed segments that
+    end together."""
     q, k, v, dout = (x.double() for x in _inputs(sharding.total, seed))
     shard = lambda x, rank: sharding.take(x, rank, 2)  # noqa: E731
     whole = lambda pieces: sharding.join(torch.stack([sharding.pad(p, 2) for p in pieces]), 2)  # noqa: E731
@@ -92,14 +94,16 @@ def _run_steps(sharding, is_causal, window, strategy, counts, seed=0):
 
     results, grads = [], [torch.zeros_like(x) for x in (q, k, v)]
     for rank in range(cp):
-        plans = [plan_calls(sharding.chunks(rank), keys(rank, s)[0], is_causal, window) for s in sources[rank]]
+        plans = [plan_calls(sharding.chunks(rank), keys(rank, s)[0], is_causal, window, ends_aligned)
+                 for s in sources[rank]]
         result = MergedResult(shard(q, rank), shard(v, rank), [r for plan in plans for r in q_parts(plan)])
         for plan, source in zip(plans, sources[rank]):
             counted_call(lambda: attend_tiles(shard(q, rank), *keys(rank, source)[1:], plan, SCALE, result))
         results.append(result)
     for rank in range(cp):
         out, lse = results[rank].out, results[rank].lse
-        plans = [plan_calls(sharding.chunks(rank), keys(rank, s)[0], is_causal, window) for s in sources[rank]]
+        plans = [plan_calls(sharding.chunks(rank), keys(rank, s)[0], is_causal, window, ends_aligned)
+                 for s in sources[rank]]
         dq = GradSum(shard(q, rank), [r for plan in plans for r in q_parts(plan)])
         for plan, plan_source in zip(plans, sources[rank]):
             _, k_part, v_part = keys(rank, plan_source)
@@ -134,6 +138,24 @@ def test_causal_calls_per_step_do_not_grow_with_documents(cp, layout, strategy, 
     assert counted["varlen"] > 0
 
 
+@pytest.mark.parametrize("window", [NO_WINDOW, (40, 0), (30, 30)])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_allgather_runs_each_query_chunk_against_its_prefix_where_segments_may_end_together(cp, layout, window,
+                                                                                          counted):
+    """Kernels that take packed segments ending together (FA4): under the all-gather each query
+    chunk's visible keys up to it are one segment, so a causal step is at most 2 calls (a zigzag
+    shard's first chunks, then its second ones, whose keys overlap the first's), with or without a
+    window; a band that reaches past the queries (30, 30) still packs its edges' squares. Exact
+    against the oracle, with documents shorter than 2·cp among them."""
+    for tiny in ((), (1, 3, 2)):
+        sharding = DocumentSharding(_cu(_documents(cp, tiny)), cp, layout)
+        per_step = _run_steps(sharding, True, window, "allgather", counted, ends_aligned=True)
+        if window[1] <= 0:
+            assert max(itertools.chain(*per_step)) <= 2, (tiny, per_step)
+    assert counted["varlen"] > 0
+
+
 def _check_windowed(calls):
     """Every masked call is a square whose queries and keys sit at the same positions (one that
     packs), whatever the document: the diagonal's under the window, and the band edges' squares."""
@@ -164,6 +186,23 @@ def test_calls_per_step_of_the_bench_batch(cp):
         windowed = plan_calls(q_chunks, sharding.whole_chunks(), True, (4096, 0))
         _check_windowed(windowed)
         assert len(windowed) <= 5
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_allgather_calls_of_the_bench_batch_where_segments_may_end_together(cp, layout):
+    """The bench's batch under the all-gather, planned for kernels that take packed segments that
+    end together: causal, with or without its window of 4096, a zigzag shard is 2 calls (each
+    document's first chunk against its prefix, then its second chunk), a contiguous one 1; every
+    tile of them ends together, and no key row is seen twice in a call."""
+    sharding = DocumentSharding(_bench_cu(), cp, layout)
+    for rank, window in itertools.product(range(cp), (NO_WINDOW, (4096, 0))):
+        calls = plan_calls(sharding.chunks(rank), sharding.whole_chunks(), True, window, True)
+        assert len(calls) == (2 if layout == "zigzag" else 1), calls
+        for call in calls:
+            assert isinstance(call, PackedTiles) and call.ends_aligned
+            assert all(packed_tiles.ends_together(tile) for tile in call.tiles)
+            assert all(a.k_rows.stop <= b.k_rows.start for a, b in itertools.pairwise(call.tiles))
 
 
 def _pairs(tile, shape):
@@ -219,7 +258,7 @@ def test_a_dense_sequence_keeps_its_tiles(layout):
     for rank, step, window in itertools.product(range(4), range(4), (NO_WINDOW, (5, 0))):
         q_chunks = sharding.chunks(rank)
         for k_chunks in (sharding.chunks((rank - step) % 4), sharding.whole_chunks()):
-            assert plan_calls(q_chunks, k_chunks, True, window) is plan_tiles(q_chunks, k_chunks, True, window)
+            assert plan_calls(q_chunks, k_chunks, True, window) == plan_tiles(q_chunks, k_chunks, True, window)
 
 
 def _nan_in(kernel, fillers):
@@ -321,18 +360,22 @@ def test_a_part_over_many_segments_in_one_state_merges_once(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ends_aligned", [False, True])
 @pytest.mark.parametrize("is_causal, window", [(False, NO_WINDOW), (True, NO_WINDOW), (True, (24, 0))])
-def test_packed_calls_match_their_tiles_run_alone_on_the_gpu(is_causal, window):
+def test_packed_calls_match_their_tiles_run_alone_on_the_gpu(is_causal, window, ends_aligned):
     """On the dispatched kernels (FA4, Triton): a packed call's rows are its tiles' results, each
-    tile run as its own call (what it writes in the filler rows between them is never read)."""
+    tile run as its own call (what it writes in the filler rows between them is never read); so
+    with tiles that end together where the kernels take them (FA4)."""
     sharding = DocumentSharding(_cu([8 * n for n in _documents(2)]), 2, "zigzag")
     torch.manual_seed(0)
     q, k, v, dout = (torch.randn(1, h, sharding.total, 128, device="cuda", dtype=torch.bfloat16)
                      for h in (8, 2, 2, 8))
     shard = lambda x, rank: sharding.take(x, rank, 2)  # noqa: E731
-    plans = [(plan_calls(sharding.chunks(0), sharding.chunks(source), is_causal, window), shard(k, source),
-              shard(v, source)) for source in (0, 1)]
-    plans.append((plan_calls(sharding.chunks(0), sharding.whole_chunks(), is_causal, window), k, v))
+    if ends_aligned:
+        assert runs_ends_aligned(q, k, v, is_causal=is_causal, window=window), "FA4 is not installed"
+    plans = [(plan_calls(sharding.chunks(0), sharding.chunks(source), is_causal, window, ends_aligned),
+              shard(k, source), shard(v, source)) for source in (0, 1)]
+    plans.append((plan_calls(sharding.chunks(0), sharding.whole_chunks(), is_causal, window, ends_aligned), k, v))
     q0, dout0 = shard(q, 0), shard(dout, 0)
     for calls, k_part, v_part in plans:
         for call in (call for call in calls if isinstance(call, PackedTiles)):

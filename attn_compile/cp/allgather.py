@@ -8,13 +8,16 @@ takes it as an argument (``comm.sized_group``). Packed documents always gather a
 gathered size is in cu_seqlens's values. They travel as token-major rows, which one row gather
 puts in batch order (and one row scatter takes back for the gradients). Only the key chunks a
 query chunk can see are computed, so a sliding window costs its visible band; the whole of K and
-V is still gathered.
+V is still gathered. Packed documents on FA4 run each query chunk against its visible prefix as
+one segment (``tiles.plan_calls``' ``ends_aligned``): two varlen calls on zigzag shards, one on
+contiguous ones, with no merge.
 """
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from attn_compile.kernels.dispatch import runs_ends_aligned
 from attn_compile.kernels.documents import packed, unpacked
 from attn_compile.kernels.result_layout import as_grad
 
@@ -42,13 +45,17 @@ def _reduce_scatter_sequence(grad, group, sharding):
     return reduce_scatter_stacked(sharding.split(grad, dim=2), group)
 
 
-def _calls(group, sharding, is_causal, window):
-    return plan_calls(sharding.chunks(group.rank()), sharding.whole_chunks(), is_causal, window)
+def _calls(q, k, v, group, sharding, is_causal, window):
+    """Each query chunk against the keys it sees: among packed documents, where the kernels take
+    segments that end together, its whole visible prefix in one segment (no merge, larger calls)."""
+    ends_aligned = isinstance(sharding, ChunkSharding) and runs_ends_aligned(q, k, v, is_causal=is_causal,
+                                                                            window=window)
+    return plan_calls(sharding.chunks(group.rank()), sharding.whole_chunks(), is_causal, window, ends_aligned)
 
 
 def allgather_forward(q, k, v, group, scale, is_causal, window, sharding):
     k_all, v_all = _gather_sequence(k, group, sharding), _gather_sequence(v, group, sharding)
-    calls = _calls(group, sharding, is_causal, window)
+    calls = _calls(q, k, v, group, sharding, is_causal, window)
     result = MergedResult(q, v, q_parts(calls))
     attend_tiles(q, k_all, v_all, calls, scale, result)
     return result.out, result.lse, k_all, v_all
@@ -57,7 +64,7 @@ def allgather_forward(q, k, v, group, scale, is_causal, window, sharding):
 def allgather_backward(dout, q, k, v, out, lse, k_all, v_all, group, scale, is_causal, window, sharding):
     if k_all is None:
         k_all, v_all = _gather_sequence(k, group, sharding), _gather_sequence(v, group, sharding)
-    calls = _calls(group, sharding, is_causal, window)
+    calls = _calls(q, k, v, group, sharding, is_causal, window)
     dq = GradSum(q, q_parts(calls))
     # the whole sequence's dK and dV sum over every rank's: float32 until the reduce-scatter has added them
     dk_all, dv_all = (GradSum(x, k_parts(calls), dtype=lse.dtype) for x in (k_all, v_all))

@@ -6,7 +6,9 @@ call). Tiles that every query sees fully make one non-causal varlen call, and sq
 queries and keys sit at the same positions one call per mask: the diagonal's under the plan's
 mask, and the squares ``tiles._band_parts`` cuts on the edges of a window's band (causal, or
 seeing from the diagonal on). Each tile is a segment, and its positions start at 0 in both
-buffers, so the mask means the same there.
+buffers, so the mask means the same there. Where the kernel aligns each segment's masks at its
+end (FA4, ``ends_aligned``), any masked tiles whose last query and last key share a position pack
+the same way: a query chunk against its document's keys up to it.
 
 A varlen call's segments partition a contiguous run of rows in each buffer, in order, so tiles go
 into chains whose query rows and key rows both increase (``_chains``), and the rows between two
@@ -47,18 +49,29 @@ def on_diagonal(tile) -> bool:
             and tile.q_rows.stop - tile.q_rows.start == tile.k_rows.stop - tile.k_rows.start)
 
 
+def ends_together(tile) -> bool:
+    """A masked tile whose last query sits at its last key's position: its mask means the same under
+    a varlen kernel's bottom-right alignment (a query chunk against its document's keys up to it)."""
+    mask = tile.masking
+    return (mask["q_offset"] + tile.q_rows.stop - tile.q_rows.start
+            == mask["k_offset"] + tile.k_rows.stop - tile.k_rows.start)
+
+
 @dataclass(frozen=True)
 class PackedTiles:
     """Tiles (``tiles.Tile``) run as one varlen call with ``masking`` (is_causal, window, or none),
-    their query rows and key rows each disjoint and increasing."""
+    their query rows and key rows each disjoint and increasing. ``ends_aligned``: its masked tiles
+    end together (``ends_together``) and the kernel aligns them so; else they are squares on the
+    diagonal, which any alignment takes."""
     tiles: tuple
     masking: dict
+    ends_aligned: bool = False
 
     def __post_init__(self):
-        # aligned=True below tells the kernels that each segment's queries and keys sit at the same
-        # positions, which only squares on the diagonal satisfy
-        if self.masking and not all(on_diagonal(tile) for tile in self.tiles):
-            raise ValueError(f"a masked packed call takes squares on the diagonal only; got {self.tiles}")
+        fits, rule = (ends_together, "tiles that end together") if self.ends_aligned else \
+            (on_diagonal, "squares on the diagonal")
+        if self.masking and not all(fits(tile) for tile in self.tiles):
+            raise ValueError(f"a masked packed call takes {rule} only; got {self.tiles}")
 
     @property
     def q_rows(self) -> slice:
@@ -109,7 +122,7 @@ class PackedTiles:
         """(out (1, h_q, span, d_v), lse (1, h_q, span)) over the query span; filler rows hold
         whatever the kernel wrote (``q_parts``)."""
         out, lse = varlen_forward(*self._operands((q,), (k, v)), *self._cu_seqlens(q.device), *self._longest,
-                                  scale=scale, aligned=True, **self.masking)
+                                  scale=scale, **self._alignment, **self.masking)
         return unpacked(out, 1), unpacked(lse, 1)
 
     def backward(self, dout, q, k, v, out, lse, scale):
@@ -117,8 +130,13 @@ class PackedTiles:
         hold whatever the kernel wrote."""
         dout, q, k, v, out, lse = self._operands((dout, q), (k, v), (out, lse))
         grads = varlen_backward(dout, q, k, v, out, lse, *self._cu_seqlens(q.device), *self._longest, scale=scale,
-                                aligned=True, **self.masking)
+                                **self._alignment, **self.masking)
         return tuple(unpacked(grad, 1) for grad in grads)
+
+    @property
+    def _alignment(self) -> dict:
+        """How the kernel must align each segment's queries with its keys (``varlen_forward``)."""
+        return dict(aligned=False, ends_aligned=True) if self.ends_aligned else dict(aligned=True)
 
     def _operands(self, *groups):
         """Packed views of the span's rows: groups alternate query rows, key rows, query rows."""
@@ -140,28 +158,31 @@ def _chains(tiles) -> list[list]:
     return chains
 
 
-def _kind(tile):
+def _kind(tile, ends_aligned: bool):
     """The masking of the packed call a tile can join, as sorted items, or None (a single call):
     fully visible tiles, and squares whose queries and keys sit at the same positions (the
-    diagonal, or a square a band's edge runs through, ``tiles._band_parts``), one call per mask."""
+    diagonal, or a square a band's edge runs through, ``tiles._band_parts``), or with
+    ``ends_aligned`` any masked tile whose queries and keys end together, one call per mask."""
     if not tile.masking:
         return ()
-    if not on_diagonal(tile):
+    if not (ends_together if ends_aligned else on_diagonal)(tile):
         return None
     # the window as the mask means it, so that causal squares with and without (-1, 0) pack together
     mask = tile.masking
     return ("is_causal", mask["is_causal"]), ("window", effective_window(mask["is_causal"], mask["window"]))
 
 
-def packed_calls(tiles) -> tuple:
-    """``tiles`` as kernel calls: ``PackedTiles`` where two or more pack, else the tiles themselves."""
+def packed_calls(tiles, ends_aligned: bool = False) -> tuple:
+    """``tiles`` as kernel calls: ``PackedTiles`` where two or more pack, else the tiles themselves.
+    ``ends_aligned``: the kernels take segments that end together (``dispatch.runs_ends_aligned``)."""
     calls, kinds = [], {}
     for tile in tiles:
-        kind = _kind(tile)
+        kind = _kind(tile, ends_aligned)
         if kind is None:
             calls.append(tile)
         else:
             kinds.setdefault(kind, []).append(tile)
     for kind, members in kinds.items():
-        calls += [chain[0] if len(chain) == 1 else PackedTiles(tuple(chain), dict(kind)) for chain in _chains(members)]
+        calls += [chain[0] if len(chain) == 1 else PackedTiles(tuple(chain), dict(kind), ends_aligned and bool(kind))
+                  for chain in _chains(members)]
     return tuple(calls)

@@ -16,7 +16,11 @@ one call to its whole visible prefix, which FA4's bottom-right alignment takes, 
 Packed documents give a few tiles per document; ``plan_calls`` cuts each band tile of a window
 into squares on the band's edges and fully visible rectangles (``_band_parts``) and runs the tiles
 of one kind across documents as one varlen call (``packed_tiles``), so a step's calls do not grow
-with its documents.
+with its documents. Where the kernels align each segment's masks at its end (FA4: ``ends_aligned``,
+``dispatch.runs_ends_aligned``), a query chunk's keys up to it stay one tile, uncut, as in one
+document: the all-gather then runs a zigzag shard in two varlen calls (each document's first
+chunk against its prefix, then its second chunk, whose keys overlap the first's), a contiguous
+one in one, with no merge.
 """
 import functools
 import itertools
@@ -26,7 +30,7 @@ from attn_compile.kernels import attention_backward, attention_forward
 from attn_compile.kernels.visibility import Visibility, classify, effective_window
 
 from .layout import Chunk
-from .packed_tiles import on_diagonal, packed_calls
+from .packed_tiles import ends_together, on_diagonal, packed_calls
 
 NO_WINDOW = (-1, -1)
 
@@ -139,13 +143,18 @@ def _cropped(q, k, is_causal, window) -> Tile:
 
 
 @functools.lru_cache(maxsize=1024)
-def plan_tiles(q_chunks: tuple, k_chunks: tuple, is_causal: bool, window: tuple = NO_WINDOW) -> tuple[Tile, ...]:
-    """Tiles for the query chunks against the key chunks (``layout.Chunk``s)."""
+def plan_tiles(q_chunks: tuple, k_chunks: tuple, is_causal: bool, window: tuple = NO_WINDOW,
+               ends_aligned: bool = False) -> tuple[Tile, ...]:
+    """Tiles for the query chunks against the key chunks (``layout.Chunk``s). ``ends_aligned``: the
+    kernels take packed segments that end together, so among packed documents too a query chunk's
+    masked run of keys that ends where the chunk does is one tile (under the all-gather, each
+    chunk's whole visible prefix), not a tile per key chunk."""
     if _causal_over_rows(q_chunks, k_chunks, is_causal, window):
         start = q_chunks[0].position
         return (Tile(_rows(q_chunks), _rows(k_chunks), dict(is_causal=True, window=window, q_offset=start,
                                                             k_offset=start)),)
     left, right = effective_window(is_causal, window)
+    masks = (left, right) != NO_WINDOW
     by_document = {}
     for chunk in k_chunks:
         by_document.setdefault(chunk.document, []).append(chunk)
@@ -155,11 +164,16 @@ def plan_tiles(q_chunks: tuple, k_chunks: tuple, is_causal: bool, window: tuple 
         keys = by_document.get(q.document, [])
         visibility = {k: _diagonal_or(classify(q.position, q.length, k.position, k.length, left, right), q, k,
                                       is_causal) for k in keys}
+        runs = _adjacent_runs(keys, lambda k: visibility[k] is not Visibility.NONE, in_position=True)
         if one_document:  # a masked chunk and the visible chunks next to it: one masked call, no merge
-            runs = _adjacent_runs(keys, lambda k: visibility[k] is not Visibility.NONE, in_position=True)
             masked = [run for run in runs if any(visibility[k] is Visibility.PARTIAL for k in run)]
         else:  # packed documents: tiles of a kind pack across documents (plan_calls)
-            masked = [[k] for k in keys if visibility[k] is Visibility.PARTIAL]
+            # where the kernels take it, a run that ends with the chunk is one tile, masked even
+            # where all of it is visible (a one-token chunk's), so that no fully visible call is left
+            whole = [run for run in runs if ends_aligned and masks
+                     and ends_together(_cropped(q, _spanning(run), is_causal, window))]
+            masked = whole + [[k] for k in keys if visibility[k] is Visibility.PARTIAL
+                              and not any(k in run for run in whole)]
         tiles += [_cropped(q, _spanning(run), is_causal, window) for run in masked]
         visibility.update({k: Visibility.NONE for run in masked for k in run})
         runs = _adjacent_runs(keys, lambda k: visibility[k] is Visibility.FULL)
@@ -205,7 +219,7 @@ def _band_rows(a: int, b: int, m: int, lo, hi) -> list[tuple]:
     return parts
 
 
-def _band_parts(tile) -> tuple[Tile, ...]:
+def _band_parts(tile, ends_aligned: bool = False) -> tuple[Tile, ...]:
     """A masked tile off the diagonal as squares whose diagonals lie on its band's edges and fully
     visible rectangles: tiles of the kinds that pack (``packed_tiles``), whatever the document.
 
@@ -213,10 +227,11 @@ def _band_parts(tile) -> tuple[Tile, ...]:
     an edge leaves the tile (the first rows may see from column 0, the last rows up to the last
     column); in each part the edges that cut become squares: a causal one on the upper edge, one
     that sees from its diagonal on at the lower edge, and what lies between is fully visible. A band
-    narrower than its rows is cut into blocks of its width. A band of one diagonal stays whole."""
+    narrower than its rows is cut into blocks of its width. A band of one diagonal stays whole, and
+    so, ``ends_aligned`` (the kernels take such tiles packed), does a tile that ends together."""
     mask = tile.masking
     n, m = tile.q_rows.stop - tile.q_rows.start, tile.k_rows.stop - tile.k_rows.start
-    if not mask or on_diagonal(tile):
+    if not mask or on_diagonal(tile) or (ends_aligned and ends_together(tile)):
         return (tile,)
     left, right = effective_window(mask["is_causal"], mask["window"])
     shift = mask["k_offset"] - mask["q_offset"]
@@ -235,14 +250,16 @@ def _band_parts(tile) -> tuple[Tile, ...]:
 
 
 @functools.lru_cache(maxsize=1024)
-def plan_calls(q_chunks: tuple, k_chunks: tuple, is_causal: bool, window: tuple = NO_WINDOW) -> tuple:
+def plan_calls(q_chunks: tuple, k_chunks: tuple, is_causal: bool, window: tuple = NO_WINDOW,
+               ends_aligned: bool = False) -> tuple:
     """The kernel calls that run ``plan_tiles``' tiles: ``Tile``s, and where the queries hold several
     documents, ``packed_tiles.PackedTiles`` for the tiles of one kind across them. A dense
-    sequence (one document) keeps one call per tile."""
-    tiles = plan_tiles(q_chunks, k_chunks, is_causal, window)
+    sequence (one document) keeps one call per tile. ``ends_aligned``: the kernels take packed
+    segments that end together (``dispatch.runs_ends_aligned``)."""
+    tiles = plan_tiles(q_chunks, k_chunks, is_causal, window, ends_aligned)
     if len({chunk.document for chunk in q_chunks}) < 2:
         return tiles
-    return packed_calls([part for tile in tiles for part in _band_parts(tile)])
+    return packed_calls([part for tile in tiles for part in _band_parts(tile, ends_aligned)], ends_aligned)
 
 
 def q_parts(calls) -> list[slice]:
