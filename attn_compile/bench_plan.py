@@ -26,13 +26,13 @@ HEADS = {  # name: (h_q, h_kv, d_qk, d_v), as bench cp runs them
 # (GPUs, heads, global tokens): {strategy: (forward, fwd+bwd)}; the forward ran with no backward
 # after it. The hybrid ran on a (2, 2) mesh. NVIDIA H200s (NVLink), torch 2.11.0+cu130,
 # flash-attn-4 4.0.0b36 inside the single-GPU op, each shape's rows in 3 interleaved rounds (the
-# median): 4 GPUs at commit a0a7bdb (2026-11-28); 2 GPUs (a 2-GPU host) at 8cf66eb (2026-11-29),
+# median): 4 GPUs at commit a0a7bdb (2026-11-28); 2 GPUs (a 2-GPU host) at 617ca33 (2026-11-29),
 # whose ring of two ranks keeps its halo for the backward.
 MEASURED = {
-    (2, "GQA 32/8 d128", 65536): dict(ring=(622, 592), allgather=(608, 584), ulysses=(608, 588)),
-    (2, "GQA 32/8 d128", 131072): dict(ring=(641, 615), allgather=(637, 610), ulysses=(635, 612)),
-    (2, "MLA 16h 192/128", 65536): dict(ring=(651, 503), allgather=(602, 478), ulysses=(618, 498)),
-    (2, "MLA 16h 192/128", 131072): dict(ring=(673, 521), allgather=(642, 505), ulysses=(658, 516)),
+    (2, "GQA 32/8 d128", 65536): dict(ring=(623, 589), allgather=(610, 583), ulysses=(607, 584)),
+    (2, "GQA 32/8 d128", 131072): dict(ring=(636, 609), allgather=(633, 604), ulysses=(631, 604)),
+    (2, "MLA 16h 192/128", 65536): dict(ring=(640, 498), allgather=(603, 476), ulysses=(611, 491)),
+    (2, "MLA 16h 192/128", 131072): dict(ring=(669, 514), allgather=(639, 499), ulysses=(653, 510)),
     (4, "GQA 32/8 d128", 65536): dict(ring=(579, 553), allgather=(587, 553), ulysses=(609, 580),
                                       hybrid=(587, 568)),
     (4, "GQA 32/8 d128", 131072): dict(ring=(609, 573), allgather=(612, 589), ulysses=(620, 599),
@@ -46,8 +46,8 @@ MEASURED = {
 # The same runs' single-GPU op on the same per-GPU work and PyTorch's context_parallel (the better
 # rotate method), fwd+bwd TFLOP/s per GPU, by (GPUs, heads, global tokens).
 LOCAL_AND_PYTORCH = {
-    (2, "GQA 32/8 d128", 65536): (614, 521), (2, "GQA 32/8 d128", 131072): (622, 537),
-    (2, "MLA 16h 192/128", 65536): (529, 384), (2, "MLA 16h 192/128", 131072): (528, 385),
+    (2, "GQA 32/8 d128", 65536): (608, 518), (2, "GQA 32/8 d128", 131072): (615, 532),
+    (2, "MLA 16h 192/128", 65536): (525, 378), (2, "MLA 16h 192/128", 131072): (522, 380),
     (4, "GQA 32/8 d128", 65536): (606, 486), (4, "GQA 32/8 d128", 131072): (611, 508),
     (4, "MLA 16h 192/128", 65536): (518, 326), (4, "MLA 16h 192/128", 131072): (521, 347),
 }
