@@ -105,6 +105,9 @@ class Problem:
     layout: str = "zigzag"
     documents: bool = False  # packed documents (cu_seqlens), costed as a batch of the longest
     backward: bool = True  # whether a backward follows; without one, the choice is by the forward alone
+    # the kernels run a packed query chunk against its visible prefix as one segment (FA4:
+    # ``dispatch.runs_ends_aligned``), which the all-gather's calls on packed documents take
+    prefix_segments: bool = False
 
     @classmethod
     def of_shards(cls, q, k, v, *, is_causal: bool, mesh_shape: tuple, s_local=None, window=(-1, -1),
@@ -326,7 +329,10 @@ def choose(p: Problem, hw: Hardware = Hardware(), strategy: str = "auto") -> tup
     0.756 / 0.817. On more ranks without a window the ring has two steps only where no document
     spans more than two ranks' pieces, which the ranks cannot tell alike from their shards (whose
     token counts differ by one), so Ulysses stays the choice there. Where no backward follows
-    (``p.backward`` false), the fastest forward is chosen."""
+    (``p.backward`` false), the fastest forward is chosen; for packed documents on zigzag shards
+    of two ranks that is the all-gather where its calls take each query chunk's prefix as one
+    segment (``p.prefix_segments``): 0.655 of one GPU with a window and 0.816 without on 2 H200s,
+    against Ulysses' 0.621 and 0.760 (BENCHMARKS.md)."""
     table = {}
     for name in STRATEGIES:
         ok, reason = feasible(name, p)
@@ -339,6 +345,9 @@ def choose(p: Problem, hw: Hardware = Hardware(), strategy: str = "auto") -> tup
         if p.documents and p.layout == "contiguous" and (p.halo_reach() is not None or p.cp == 2) \
                 and "ring" in estimates:
             return "ring", table
+        if p.documents and not p.backward and p.prefix_segments and p.layout == "zigzag" and p.cp == 2 \
+                and "allgather" in estimates:
+            return "allgather", table
         if p.documents and "ulysses" in estimates:
             return "ulysses", table
         forward = chooses_forward_alone(p, strategy)

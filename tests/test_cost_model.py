@@ -61,6 +61,21 @@ def test_contiguous_packed_documents_take_the_ring_where_it_has_two_steps(cp):
     assert choose(docs)[0] == "ulysses"
 
 
+@pytest.mark.parametrize("window", [(4096, 0), (-1, -1)])
+def test_packed_documents_forward_alone_takes_the_allgather_on_two_ranks_where_prefixes_are_one_segment(window):
+    """With no backward, on zigzag shards of two ranks, the all-gather whose calls take each query
+    chunk's visible prefix as one segment (FA4) has the fastest forward: 0.655 and 0.816 of one GPU
+    against Ulysses' 0.621 and 0.760 (2 H200s, d28fe88). With a backward, on more ranks, on the
+    contiguous layout or on kernels without such segments, the rules before it stand."""
+    docs = _problem(batch=17, s_local=-(-22360 // 2), window=window, mesh_shape=(2,), documents=True,
+                    prefix_segments=True)
+    assert choose(dataclasses.replace(docs, backward=False))[0] == "allgather"
+    assert choose(docs)[0] == "ulysses"
+    assert choose(dataclasses.replace(docs, backward=False, prefix_segments=False))[0] == "ulysses"
+    assert choose(dataclasses.replace(docs, backward=False, mesh_shape=(4,)))[0] == "ulysses"
+    assert choose(dataclasses.replace(docs, backward=False, layout="contiguous"))[0] == "ring"
+
+
 def test_packed_documents_follow_the_model_where_ulysses_cannot_run():
     docs = _problem(batch=17, h_q=12, h_kv=2, s_local=4096, mesh_shape=(8,), documents=True)
     assert choose(docs)[0] == choose(dataclasses.replace(docs, documents=False))[0] != "ulysses"

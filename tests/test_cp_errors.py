@@ -181,7 +181,11 @@ def test_auto_chooses_alike_for_packed_shards_of_any_length():
 
 
 def test_auto_takes_ulysses_for_packed_documents_where_the_heads_divide():
+    """For training inputs; where no backward follows on two ranks, the all-gather, whose calls on
+    the CPU's reference take each query chunk's prefix as one segment (test_cost_model)."""
     cu_seqlens = torch.tensor([0, 4000, 4001, 9000], dtype=torch.int32)
     for h_q, expected in ((8, "ulysses"), (3, "allgather")):
-        q, k, v = (torch.empty(1, h, 4500, 64, dtype=torch.bfloat16) for h in (h_q, 1, 1))
+        q, k, v = (torch.empty(1, h, 4500, 64, dtype=torch.bfloat16, requires_grad=True) for h in (h_q, 1, 1))
         assert choose_strategy(q, k, v, _groups(2), is_causal=True, cu_seqlens=cu_seqlens, max_seqlen=5000) == expected
+        assert choose_strategy(*(x.detach() for x in (q, k, v)), _groups(2), is_causal=True, cu_seqlens=cu_seqlens,
+                               max_seqlen=5000) == "allgather"

@@ -123,6 +123,36 @@ def test_packed_documents_under_every_strategy(world):
     run_distributed(_check_documents, world, (*STRATEGIES[world], "auto"))
 
 
+def _check_auto_forward_alone(rank, world):
+    """Under no_grad, on zigzag shards of two ranks, ``auto`` takes the all-gather for packed
+    documents where the kernels take each query chunk's prefix as one segment (the reference does),
+    eager and compiled, and its output is exact."""
+    from attn_compile import cost_model
+    chosen, choose = [], cost_model.choose
+    cost_model.choose = lambda problem, *args: chosen.append(choose(problem, *args)[0]) or choose(problem, *args)
+    try:
+        for seed, window in enumerate(((8, 0), (-1, -1))):
+            cu_seqlens, longest = _documents(world, seed)
+            q, k, v, dout = (x[0].transpose(0, 1) for x in _inputs(seed, 1, int(cu_seqlens[-1])))
+            attention = lambda q, k, v: varlen_attention(  # noqa: E731
+                q, k, v, cu_seqlens, cu_seqlens, longest, longest, is_causal=True, window=window,
+                group=dist.group.WORLD)
+            for run in (attention, torch.compile(attention, backend="attn_cp", fullgraph=True)):
+                torch._dynamo.reset()
+                with torch.no_grad():
+                    out = run(*(shard_varlen(x, cu_seqlens, dist.group.WORLD)[0] for x in (q, k, v)))
+                got = unshard_varlen(out, cu_seqlens, dist.group.WORLD)
+                want = _document_oracle(q, k, v, dout, cu_seqlens, is_causal=True, window=window)[0]
+                assert rel_err(got, want) <= TOL, (window, rel_err(got, want))
+    finally:
+        cost_model.choose = choose
+    assert chosen and set(chosen) == {"allgather"}, chosen
+
+
+def test_auto_takes_the_allgather_for_packed_documents_forward_alone_on_two_ranks():
+    run_distributed(_check_auto_forward_alone, 2)
+
+
 # (seed, layout, window, is_causal): the first two send the halo's dK and dV home in bf16 one way
 # and in float32 the other (a halo's rows of two calls sum in float32)
 HALF_CASES = ((2, "contiguous", (8, 8), False), (3, "zigzag", (8, 0), True), (3, "zigzag", (-1, -1), True))

@@ -12,6 +12,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from attn_compile import cost_model
+from attn_compile.kernels.dispatch import runs_ends_aligned
 
 from . import allgather, hybrid, ring, ulysses  # noqa: F401  (register the attn_cp ops)
 from .checks import raise_on_every_rank
@@ -136,10 +137,13 @@ def choose_strategy(q, k, v, groups, *, is_causal: bool, window=(-1, -1), layout
     what every rank sees alike: packed documents, whose shards differ in length, are costed as
     one batch entry per document of ``max_seqlen`` tokens. Symbolic sizes count at their traced
     values, so the choice made when a graph is compiled stays with the graph. Where no gradient is
-    needed (grad mode off, or none of q, k, v requires one), the fastest forward is chosen."""
+    needed (grad mode off, or none of q, k, v requires one), the fastest forward is chosen; for
+    packed documents that depends on whether the kernels take a query chunk's prefix as one
+    segment (``dispatch.runs_ends_aligned``), which every rank's kernels answer alike."""
     problem = cost_model.Problem.of_shards(q, k, v, is_causal=is_causal, window=window, layout=layout,
                                            mesh_shape=[g.size() for g in groups])
     if cu_seqlens is not None:
         problem = dataclasses.replace(problem, batch=cost_model.traced_int(cu_seqlens.shape[0]) - 1,
-                                      s_local=max(1, -(-max_seqlen // problem.cp)), documents=True)
+                                      s_local=max(1, -(-max_seqlen // problem.cp)), documents=True,
+                                      prefix_segments=runs_ends_aligned(q, k, v, is_causal=is_causal, window=window))
     return cost_model.choose(problem)[0]
