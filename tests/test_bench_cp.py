@@ -146,14 +146,20 @@ def _documents_benchmark_on_cpu(rank, world):
     printed, timed = _timed_on_cpu(
         lambda: bench_documents.benchmark(bench._groups(world), rounds=2, total=1024, window=(128, 0)))
     # the window: local, 3 strategies x 3 variants, auto x 2 layouts; no window: local, 3 strategies
-    # and auto x 2 layouts; each row a forward and a forward+backward, in each of 2 rounds
-    assert len(timed) == 2 * 2 * (12 + 9), len(timed)
+    # and auto x 2 layouts; each row a forward and a forward+backward, then auto's forward alone
+    # under no_grad x 2 layouts, in each of 2 rounds
+    assert len(timed) == 2 * (2 * (12 + 9) + 2 * 2), len(timed)
     if rank == 0:
-        rows = [line.split()[0] for line in printed.splitlines()[2:]]
+        lines = printed.splitlines()[2:]
+        rows = [line.split()[0] for line in lines]
         assert rows == ["local", "ring", "ring", "ring", "allgather", "allgather", "allgather", "ulysses", "ulysses",
-                        "ulysses", "auto", "auto", "local", "ring", "ring", "allgather", "allgather", "ulysses",
-                        "ulysses", "auto", "auto"], printed
-        assert sum("contiguous" in line for line in printed.splitlines()) == 8, printed
+                        "ulysses", "auto", "auto", "auto", "auto", "local", "ring", "ring", "allgather", "allgather",
+                        "ulysses", "ulysses", "auto", "auto", "auto", "auto"], printed
+        assert sum("contiguous" in line for line in printed.splitlines()) == 10, printed
+        # the forward alone: on zigzag shards of two ranks the all-gather, whose prefix segments the
+        # reference runs; on contiguous ones the ring
+        no_grad = [line.split("  ")[1].strip() for line in lines if "no grad" in line]
+        assert no_grad == ["auto -> allgather, no grad", "auto -> ring contiguous, no grad"] * 2, printed
         assert "the median of 2 interleaved rounds" in printed
 
 

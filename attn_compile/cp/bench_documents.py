@@ -7,8 +7,9 @@ windows (1024, 0), (1024, 1024) and (-1, -1), causal and full, GQA + MLA heads, 
 lengths including 1 and ones shorter than 2·cp.
 
 ``benchmark``: 128K tokens of mixed document lengths, causal GQA 32/8 d128, per-GPU TFLOP/s of
-every strategy (the hybrid as in ``check``) and of ``strategy="auto"`` (named by what it chose)
-with a window of 4096 (flash-attn's left window), beside the same without a window, the same
+every strategy (the hybrid as in ``check``) and of ``strategy="auto"`` (named by what it chose;
+its ``no grad`` rows time the forward under ``torch.no_grad()``, where it chooses for the forward
+alone) with a window of 4096 (flash-attn's left window), beside the same without a window, the same
 with every document padded to a multiple of 2·cp (what TransformerEngine requires), both on the
 contiguous layout (the batch cut into N pieces as it lies), and the single-GPU op on the
 whole batch; each window's rows timed in interleaved rounds, as bench.py times a shape's. FLOPs
@@ -115,10 +116,23 @@ def _cp_calls(lengths, window, strategy, group, layout):
         layout=layout), *local))
 
 
-def _auto_name(lengths, window, layout) -> str:
-    """The row name of ``strategy="auto"`` on these documents over the world: what it chose."""
+def _no_grad_forward(lengths, window, layout):
+    """The forward of ``strategy="auto"`` under ``torch.no_grad()``, where it chooses for the forward alone."""
+    cu, longest = _cu(lengths), max(lengths)
+    local = [shard_varlen(x, cu, dist.group.WORLD, layout)[0] for x in _inputs(sum(lengths), HEADS, torch.bfloat16)]
+
+    def forward():
+        with torch.no_grad():
+            return varlen_attention(*local, cu, cu, longest, longest, is_causal=True, window=window,
+                                    group=dist.group.WORLD, layout=layout)
+    return [forward]
+
+
+def _auto_name(lengths, window, layout, backward=True) -> str:
+    """The row name of ``strategy="auto"`` on these documents over the world: what it chose, with
+    a backward to follow or (``backward=False``) for the forward alone."""
     h_q, h_kv, d_qk, d_v = HEADS
-    q, k, v = (torch.empty(1, h, 1, d, device="meta", requires_grad=True)  # the rows time fwd+bwd
+    q, k, v = (torch.empty(1, h, 1, d, device=DEVICE, dtype=torch.bfloat16, requires_grad=backward)
                for h, d in ((h_q, d_qk), (h_kv, d_qk), (h_kv, d_v)))
     groups = process_groups(dist.group.WORLD)
     return "auto -> " + choose_strategy(q, k, v, groups, is_causal=True, window=window, layout=layout,
@@ -136,7 +150,7 @@ def benchmark(groups, rounds: int, total: int = 131072, window=(4096, 0)) -> Non
         f"({sum(padded) - total} more when padded to multiples of 2·cp). TFLOP/s per GPU of visible pairs, "
         f"the median of {rounds} interleaved rounds, fwd / fwd+bwd, and ratio to the single-GPU op on the whole "
         "batch",
-        f"  {'strategy':23s} {'window':>10s} {'fwd':>7s} {'fwd+bwd':>8s}   {'vs local':>13s}   {'ms fwd+bwd':>10s}")
+        f"  {'strategy':33s} {'window':>10s} {'fwd':>7s} {'fwd+bwd':>8s}   {'vs local':>13s}   {'ms fwd+bwd':>10s}")
     for case_window in (window, (-1, -1)):
         rows = {"local": _local_calls(lengths, case_window)}
         strategies = [*_runnable(groups, HEADS[0], world), ("auto", dist.group.WORLD)]
@@ -150,10 +164,17 @@ def benchmark(groups, rounds: int, total: int = 131072, window=(4096, 0)) -> Non
             name = strategy if strategy != "auto" else _auto_name(lengths, case_window, layout)
             rows[f"{name} {variant}".strip()] = _cp_calls(padded if variant == "padded" else lengths, case_window,
                                                           strategy, group, layout)
+        for variant in ("", "contiguous"):
+            layout = variant or "zigzag"
+            name = f"{_auto_name(lengths, case_window, layout, backward=False)} {variant}".strip()
+            rows[f"{name}, no grad"] = _no_grad_forward(lengths, case_window, layout)
         ms = bench.interleaved_ms(rows, rounds)
         local = _tflops_per_gpu(lengths, case_window, ms.pop("local"), 1)
-        say(f"  {'local':23s} {str(case_window):>10s} {local[0]:7.0f} {local[1]:8.0f}")
+        say(f"  {'local':33s} {str(case_window):>10s} {local[0]:7.0f} {local[1]:8.0f}")
         for name, times in ms.items():
             tflops = _tflops_per_gpu(lengths, case_window, times, world)  # padding is overhead, not work
-            say(f"  {name:23s} {str(case_window):>10s} {tflops[0]:7.0f} {tflops[1]:8.0f}   "
+            if len(times) == 1:  # a forward alone
+                say(f"  {name:33s} {str(case_window):>10s} {tflops[0]:7.0f} {'':8s}   {tflops[0] / local[0]:5.3f} /")
+                continue
+            say(f"  {name:33s} {str(case_window):>10s} {tflops[0]:7.0f} {tflops[1]:8.0f}   "
                 f"{tflops[0] / local[0]:5.3f} / {tflops[1] / local[1]:5.3f}   {times[1]:10.2f}")
