@@ -62,12 +62,15 @@ def test_check_prints_each_case_as_it_finishes():
 
 def _documents_check_on_cpu(rank, world):
     """The packed documents' check: every strategy, window and mask passes against the reference."""
-    bench_documents.DEVICE, bench_documents.CHECK_HEADS = "cpu", (4, 2, 16, 8)
+    bench_documents.DEVICE = "cpu"
+    bench_documents.CHECK_CASES = (((4, 2, 16, 8), None), ((4, 2, 16, 16), "allgather"))
     printed = io.StringIO()
     with redirect_stdout(printed):
         assert bench_documents.check(bench._groups(world), total=300) == 0, printed.getvalue()
-    if rank == 0:  # 2 header lines, then 6 (window, mask) cases of 3 strategies on 2 layouts
-        assert printed.getvalue().count("\n") == 2 + 36, printed.getvalue()
+    if rank == 0:  # 2 header lines, then 6 (window, mask) cases of 3 strategies on 2 layouts, then of the all-gather
+        lines = printed.getvalue().splitlines()
+        assert len(lines) == 2 + 36 + 12, printed.getvalue()
+        assert all(line.split()[:2] == ["4/2", "16/16"] and line.split()[2] == "allgather" for line in lines[-12:])
 
 
 def test_documents_check_passes():

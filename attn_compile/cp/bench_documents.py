@@ -4,7 +4,8 @@
 ``check``: bf16 ``varlen_attention`` under every strategy (the hybrid on a (N/2, 2) mesh from 4
 GPUs on) and both layouts against the float32 reference on one GPU, document by document, for
 windows (1024, 0), (1024, 1024) and (-1, -1), causal and full, GQA + MLA heads, on mixed document
-lengths including 1 and ones shorter than 2·cp.
+lengths including 1 and ones shorter than 2·cp; then the all-gather on GQA d128 heads, whose
+backward FA4 runs too, so that the all-gather runs its prefix segments there.
 
 ``benchmark``: 128K tokens of mixed document lengths, causal GQA 32/8 d128, per-GPU TFLOP/s of
 every strategy (the hybrid as in ``check``) and of ``strategy="auto"`` (named by what it chose;
@@ -32,7 +33,9 @@ from .documents import shard_varlen, unshard_varlen
 from .layout import LAYOUTS
 
 HEADS = (32, 8, 128, 128)  # GQA 32/8 d128
-CHECK_HEADS = (16, 2, 192, 128)  # GQA + MLA
+# (heads, the one strategy checked or None for all): GQA + MLA under every strategy, and GQA d128,
+# whose varlen backward FA4 runs too, so that its all-gather runs the prefix segments
+CHECK_CASES = (((16, 2, 192, 128), None), ((8, 2, 128, 128), "allgather"))
 
 
 def mixed_lengths(total: int, seed: int, shortest: int = 512, longest: int = 32768, tiny=()) -> list[int]:
@@ -63,30 +66,34 @@ def _inputs(total, heads, dtype, requires_grad=False):
 
 
 def check(groups, total: int = 16384) -> int:
-    """Every strategy of ``groups`` (``bench._groups``) on ``total`` tokens; returns the number of
-    failed cases."""
+    """Every strategy of ``groups`` (``bench._groups``) on ``total`` tokens, for each of
+    ``CHECK_CASES``; returns the number of failed cases."""
     world = dist.get_world_size()
     lengths = mixed_lengths(total, seed=0, shortest=64, longest=4096, tiny=(1, 2 * world - 1, 1))
     cu, longest = _cu(lengths), max(lengths)
     say(f"check: bf16 varlen_attention under CP vs the float32 reference, {len(lengths)} documents, "
         f"{sum(lengths)} tokens; relative error (tolerance {CHECK_TOLERANCE})",
-        f"  {'strategy':10s} {'layout':10s} {'window':>12s} {'causal':>6s} {'out':>9s} {'dq':>9s} {'dk':>9s} {'dv':>9s}")
+        f"  {'heads':13s} {'strategy':10s} {'layout':10s} {'window':>12s} {'causal':>6s} {'out':>9s} {'dq':>9s} "
+        f"{'dk':>9s} {'dv':>9s}")
     failures = 0
-    for window, is_causal in itertools.product(((1024, 0), (1024, 1024), (-1, -1)), (True, False)):
+    masks = itertools.product(((1024, 0), (1024, 1024), (-1, -1)), (True, False))
+    for (heads, only), (window, is_causal) in itertools.product(CHECK_CASES, list(masks)):
+        h_q, h_kv, d_qk, d_v = heads
         torch.manual_seed(0)  # the same global inputs on every rank
-        q, k, v = _inputs(sum(lengths), CHECK_HEADS, torch.float32)
+        q, k, v = _inputs(sum(lengths), heads, torch.float32)
         masking = dict(is_causal=is_causal, window=window)
         documents = (cu, cu, longest, longest)
-        out, lse = reference.varlen_forward(q, k, v, *documents, scale=CHECK_HEADS[2] ** -0.5, **masking)
+        out, lse = reference.varlen_forward(q, k, v, *documents, scale=d_qk ** -0.5, **masking)
         dout = torch.randn_like(out)
-        want = (out, *reference.varlen_backward(dout, q, k, v, out, lse, *documents, scale=CHECK_HEADS[2] ** -0.5,
-                                                **masking))
-        for (strategy, group), layout in itertools.product(_runnable(groups, CHECK_HEADS[0], world), LAYOUTS):
+        want = (out, *reference.varlen_backward(dout, q, k, v, out, lse, *documents, scale=d_qk ** -0.5, **masking))
+        strategies = [(s, g) for s, g in _runnable(groups, h_q, world) if only in (None, s)]
+        for (strategy, group), layout in itertools.product(strategies, LAYOUTS):
             local = [shard_varlen(x.detach().bfloat16(), cu, group, layout)[0].requires_grad_() for x in (q, k, v)]
             out_local = varlen_attention(*local, cu, cu, longest, longest, group=group, strategy=strategy,
                                          layout=layout, **masking)
-            failures += not checked(f"{strategy:10s} {layout:10s} {str(window):>12s} {str(is_causal):>6s}", local,
-                                    out_local, shard_varlen(dout.bfloat16(), cu, group, layout)[0],
+            heads_name = f"{h_q}/{h_kv} {d_qk}/{d_v}"
+            label = f"{heads_name:13s} {strategy:10s} {layout:10s} {str(window):>12s} {str(is_causal):>6s}"
+            failures += not checked(label, local, out_local, shard_varlen(dout.bfloat16(), cu, group, layout)[0],
                                     lambda x: unshard_varlen(x, cu, group, layout), want)
     return failures
 
