@@ -315,24 +315,27 @@ def chooses_forward_alone(p: Problem, strategy: str) -> bool:
 
 def choose(p: Problem, hw: Hardware = Hardware(), strategy: str = "auto") -> tuple[str, dict]:
     """(the strategy to run, {strategy: Estimate or reason it is infeasible}): the fastest feasible
-    one, or ``strategy`` when it is forced and feasible. Packed documents take Ulysses wherever it
-    can run: it attends the whole batch in one varlen call, while the ring and the all-gather
-    attend each step's per-document tiles, whose costs (fp32 gradient accumulation, filler rows,
-    more calls) the model leaves out. Measured on 2 and 4 H200s, 131,072 tokens in 17 documents
-    on zigzag shards, with and without a window, Ulysses ran 1.14-3.3x faster in fwd+bwd than the
-    other strategies (BENCHMARKS.md); on 2, with the all-gather's prefix segments on FA4, still
-    1.08-1.19x faster than the all-gather and 1.07-1.45x than the ring. The exception is the contiguous layout where the ring has
-    two steps: under a sliding window, or on two ranks. A rank then needs the rows of the rank
-    before it that its queries see, the ring sends just those (a window's rows, or the part of
-    the document that spans both ranks) and attends the rest locally: on 2 H200s, 0.916 / 0.897
-    of one GPU with a window and 0.878 / 0.879 without, against Ulysses' 0.590 / 0.738 and
-    0.756 / 0.817. On more ranks without a window the ring has two steps only where no document
-    spans more than two ranks' pieces, which the ranks cannot tell alike from their shards (whose
-    token counts differ by one), so Ulysses stays the choice there. Where no backward follows
-    (``p.backward`` false), the fastest forward is chosen; for packed documents on zigzag shards
-    of two ranks that is the all-gather where its calls take each query chunk's prefix as one
-    segment (``p.prefix_segments``): 0.655 of one GPU with a window and 0.816 without on 2 H200s,
-    against Ulysses' 0.621 and 0.760 (BENCHMARKS.md)."""
+    one, or ``strategy`` when it is forced and feasible.
+
+    Packed documents take Ulysses wherever it can run: it attends the whole batch in one varlen
+    call, while the ring and the all-gather attend each step's per-document tiles, whose costs
+    (fp32 gradient accumulation, filler rows, more calls) the model leaves out. Measured on 2 and
+    4 H200s, 131,072 tokens in 17 documents on zigzag shards, with and without a window, Ulysses
+    ran 1.14-3.3x faster in fwd+bwd than the other strategies (BENCHMARKS.md); on 2, with the
+    all-gather's prefix segments on FA4, still 1.08-1.19x faster than the all-gather and
+    1.07-1.45x than the ring. The exception is the contiguous layout where the ring has two
+    steps: under a sliding window, or on two ranks. A rank then needs the rows of the rank before
+    it that its queries see, the ring sends just those (a window's rows, or the part of the
+    document that spans both ranks) and attends the rest locally: on 2 H200s, 0.916 / 0.897 of
+    one GPU with a window and 0.878 / 0.879 without, against Ulysses' 0.590 / 0.738 and 0.756 /
+    0.817. On more ranks without a window the ring has two steps only where no document spans
+    more than two ranks' pieces, which the ranks cannot tell alike from their shards (whose token
+    counts differ by one), so Ulysses stays the choice there.
+
+    Where no backward follows (``p.backward`` false), the fastest forward is chosen; for packed
+    documents on zigzag shards of two ranks that is the all-gather where its calls take each
+    query chunk's prefix as one segment (``p.prefix_segments``): 0.655 of one GPU with a window
+    and 0.816 without on 2 H200s, against Ulysses' 0.621 and 0.760 (BENCHMARKS.md)."""
     table = {}
     for name in STRATEGIES:
         ok, reason = feasible(name, p)
