@@ -25,7 +25,11 @@ def as_out(out, q):
     return out if out.stride() == _out_strides(q, out.shape[-1]) else empty_out(q, out.shape[-1]).copy_(out)
 
 
+def lies_as_grad(grad, x) -> bool:
+    """Whether ``grad`` has ``torch.empty_like(x)``'s strides, as a gradient of ``x`` is returned."""
+    return grad.stride() == torch.empty_like(x, device="meta").stride()
+
+
 def as_grad(grad, x):
     """``grad``, copied into ``torch.empty_like(x)``'s strides where it lies otherwise."""
-    like = torch.empty_like(x, device="meta")
-    return grad if grad.stride() == like.stride() else torch.empty_like(x).copy_(grad)
+    return grad if lies_as_grad(grad, x) else torch.empty_like(x).copy_(grad)

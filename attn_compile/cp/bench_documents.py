@@ -125,14 +125,12 @@ def _cp_calls(lengths, window, strategy, group, layout):
 
 def _no_grad_forward(lengths, window, layout):
     """The forward of ``strategy="auto"`` under ``torch.no_grad()``, where it chooses for the forward alone."""
-    cu, longest = _cu(lengths), max(lengths)
-    local = [shard_varlen(x, cu, dist.group.WORLD, layout)[0] for x in _inputs(sum(lengths), HEADS, torch.bfloat16)]
+    forward, _ = _cp_calls(lengths, window, "auto", dist.group.WORLD, layout)
 
-    def forward():
+    def no_grad():
         with torch.no_grad():
-            return varlen_attention(*local, cu, cu, longest, longest, is_causal=True, window=window,
-                                    group=dist.group.WORLD, layout=layout)
-    return [forward]
+            return forward()
+    return [no_grad]
 
 
 def _auto_name(lengths, window, layout, backward=True) -> str:

@@ -2,6 +2,8 @@
 shares), each over some rows (``row_parts.py``)."""
 import torch
 
+from attn_compile.kernels.result_layout import lies_as_grad
+
 from .row_parts import RowParts, segments
 from .words import copy_into
 
@@ -34,7 +36,7 @@ class GradSum(RowParts):
             grad = part[:, :, piece]
             if first and last:
                 if self._total is None and grad.shape == self._like.shape and grad.dtype == self._dtype \
-                        and grad.stride() == torch.empty_like(self._like, device="meta").stride():
+                        and lies_as_grad(grad, self._like):
                     self._total = grad
                 else:
                     copy_into(self._rows(segment), grad)

@@ -57,6 +57,13 @@ def ends_together(tile) -> bool:
             == mask["k_offset"] + tile.k_rows.stop - tile.k_rows.start)
 
 
+def packs(tile, ends_aligned: bool) -> bool:
+    """Whether a packed call takes the masked ``tile`` as a segment: one that ends together where
+    the kernel aligns segments at their ends (``ends_aligned``), else a square on the diagonal
+    (which also ends together)."""
+    return ends_together(tile) if ends_aligned else on_diagonal(tile)
+
+
 @dataclass(frozen=True)
 class PackedTiles:
     """Tiles (``tiles.Tile``) run as one varlen call with ``masking`` (is_causal, window, or none),
@@ -68,9 +75,8 @@ class PackedTiles:
     ends_aligned: bool = False
 
     def __post_init__(self):
-        fits, rule = (ends_together, "tiles that end together") if self.ends_aligned else \
-            (on_diagonal, "squares on the diagonal")
-        if self.masking and not all(fits(tile) for tile in self.tiles):
+        if self.masking and not all(packs(tile, self.ends_aligned) for tile in self.tiles):
+            rule = "tiles that end together" if self.ends_aligned else "squares on the diagonal"
             raise ValueError(f"a masked packed call takes {rule} only; got {self.tiles}")
 
     @property
@@ -165,7 +171,7 @@ def _kind(tile, ends_aligned: bool):
     ``ends_aligned`` any masked tile whose queries and keys end together, one call per mask."""
     if not tile.masking:
         return ()
-    if not (ends_together if ends_aligned else on_diagonal)(tile):
+    if not packs(tile, ends_aligned):
         return None
     # the window as the mask means it, so that causal squares with and without (-1, 0) pack together
     mask = tile.masking

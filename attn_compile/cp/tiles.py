@@ -30,7 +30,7 @@ from attn_compile.kernels import attention_backward, attention_forward
 from attn_compile.kernels.visibility import Visibility, classify, effective_window
 
 from .layout import Chunk
-from .packed_tiles import ends_together, on_diagonal, packed_calls
+from .packed_tiles import ends_together, packed_calls, packs
 
 NO_WINDOW = (-1, -1)
 
@@ -231,7 +231,7 @@ def _band_parts(tile, ends_aligned: bool = False) -> tuple[Tile, ...]:
     so, ``ends_aligned`` (the kernels take such tiles packed), does a tile that ends together."""
     mask = tile.masking
     n, m = tile.q_rows.stop - tile.q_rows.start, tile.k_rows.stop - tile.k_rows.start
-    if not mask or on_diagonal(tile) or (ends_aligned and ends_together(tile)):
+    if not mask or packs(tile, ends_aligned):
         return (tile,)
     left, right = effective_window(mask["is_causal"], mask["window"])
     shift = mask["k_offset"] - mask["q_offset"]
