@@ -26,21 +26,21 @@ HEADS = {  # name: (h_q, h_kv, d_qk, d_v), as bench cp runs them
 # (GPUs, heads, global tokens): {strategy: (forward, fwd+bwd)}; the forward ran with no backward
 # after it. The hybrid ran on a (2, 2) mesh. NVIDIA H200s (NVLink), torch 2.11.0+cu130,
 # flash-attn-4 4.0.0b36 inside the single-GPU op, each shape's rows in 3 interleaved rounds (the
-# median): 4 GPUs at commit a0a7bdb (2026-11-28); 2 GPUs (a 2-GPU host) at 617ca33 (2026-11-29),
+# median): 4 GPUs at commit f10b932 (2026-11-29); 2 GPUs (a 2-GPU host) at 617ca33 (2026-11-29),
 # whose ring of two ranks keeps its halo for the backward.
 MEASURED = {
     (2, "GQA 32/8 d128", 65536): dict(ring=(623, 589), allgather=(610, 583), ulysses=(607, 584)),
     (2, "GQA 32/8 d128", 131072): dict(ring=(636, 609), allgather=(633, 604), ulysses=(631, 604)),
     (2, "MLA 16h 192/128", 65536): dict(ring=(640, 498), allgather=(603, 476), ulysses=(611, 491)),
     (2, "MLA 16h 192/128", 131072): dict(ring=(669, 514), allgather=(639, 499), ulysses=(653, 510)),
-    (4, "GQA 32/8 d128", 65536): dict(ring=(579, 553), allgather=(587, 553), ulysses=(609, 580),
-                                      hybrid=(587, 568)),
-    (4, "GQA 32/8 d128", 131072): dict(ring=(609, 573), allgather=(612, 589), ulysses=(620, 599),
-                                       hybrid=(615, 587)),
-    (4, "MLA 16h 192/128", 65536): dict(ring=(605, 448), allgather=(551, 430), ulysses=(617, 487),
-                                        hybrid=(601, 472)),
-    (4, "MLA 16h 192/128", 131072): dict(ring=(638, 475), allgather=(597, 474), ulysses=(640, 502),
-                                         hybrid=(640, 491)),
+    (4, "GQA 32/8 d128", 65536): dict(ring=(582, 550), allgather=(597, 550), ulysses=(603, 576),
+                                      hybrid=(590, 563)),
+    (4, "GQA 32/8 d128", 131072): dict(ring=(612, 576), allgather=(615, 590), ulysses=(624, 599),
+                                       hybrid=(613, 590)),
+    (4, "MLA 16h 192/128", 65536): dict(ring=(612, 448), allgather=(552, 433), ulysses=(622, 487),
+                                        hybrid=(604, 469)),
+    (4, "MLA 16h 192/128", 131072): dict(ring=(642, 477), allgather=(602, 475), ulysses=(643, 503),
+                                         hybrid=(642, 494)),
 }
 
 # The same runs' single-GPU op on the same per-GPU work and PyTorch's context_parallel (the better
@@ -48,8 +48,8 @@ MEASURED = {
 LOCAL_AND_PYTORCH = {
     (2, "GQA 32/8 d128", 65536): (608, 518), (2, "GQA 32/8 d128", 131072): (615, 532),
     (2, "MLA 16h 192/128", 65536): (525, 378), (2, "MLA 16h 192/128", 131072): (522, 380),
-    (4, "GQA 32/8 d128", 65536): (606, 486), (4, "GQA 32/8 d128", 131072): (611, 508),
-    (4, "MLA 16h 192/128", 65536): (518, 326), (4, "MLA 16h 192/128", 131072): (521, 347),
+    (4, "GQA 32/8 d128", 65536): (607, 488), (4, "GQA 32/8 d128", 131072): (613, 507),
+    (4, "MLA 16h 192/128", 65536): (517, 325), (4, "MLA 16h 192/128", 131072): (523, 351),
 }
 
 ASSUMPTIONS = (

@@ -319,11 +319,11 @@ def choose(p: Problem, hw: Hardware = Hardware(), strategy: str = "auto") -> tup
 
     Packed documents take Ulysses wherever it can run: it attends the whole batch in one varlen
     call, while the ring and the all-gather attend each step's per-document tiles, whose costs
-    (fp32 gradient accumulation, filler rows, more calls) the model leaves out. Measured on 2 and
-    4 H200s, 131,072 tokens in 17 documents on zigzag shards, with and without a window, Ulysses
-    ran 1.14-3.3x faster in fwd+bwd than the other strategies (BENCHMARKS.md); on 2, with the
-    all-gather's prefix segments on FA4, still 1.08-1.19x faster than the all-gather and
-    1.07-1.45x than the ring. The exception is the contiguous layout where the ring has two
+    (fp32 gradient accumulation, filler rows, more calls) the model leaves out. Measured on 4
+    H200s, 131,072 tokens in 17 documents on zigzag shards, with and without a window, Ulysses
+    ran 1.14-2.5x faster in fwd+bwd than the other strategies (BENCHMARKS.md); on 2, with the
+    all-gather's prefix segments on FA4, 1.08-1.19x faster than the all-gather and 1.07-1.45x
+    than the ring. The exception is the contiguous layout where the ring has two
     steps: under a sliding window, or on two ranks. A rank then needs the rows of the rank before
     it that its queries see, the ring sends just those (a window's rows, or the part of the
     document that spans both ranks) and attends the rest locally: on 2 H200s, 0.916 / 0.897 of
