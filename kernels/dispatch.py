@@ -13,7 +13,8 @@ Triton, which read them on the device; where none of them runs, document ids are
 host and run as packed documents.
 Packed documents (``varlen_*``) try FA4, Triton, then FA2's varlen kernel (which pads V for MLA
 inside its adapter), then one reference call per document. ``merge_into`` combines partial
-results: one fused Triton kernel on CUDA.
+results, ``merge_rows_into`` a part's rows given by index into a running result: one fused
+Triton kernel each on CUDA.
 
 Mask arguments, shared by every function here: ``is_causal`` (key j visible to query i when
 j <= i), ``window=(left, right)`` (i-left <= j <= i+right, -1 unbounded), ``attn_mask`` (bool,
@@ -37,9 +38,9 @@ from .problem import Problem, capability
 from .ranking import ranked
 
 try:
-    from .triton_attention import Triton, TritonVarlen, merge_forward
+    from .triton_attention import Triton, TritonVarlen, merge_forward, merge_rows_into as _merge_rows_fused
 except ImportError:  # triton is a Linux-only dependency
-    Triton = TritonVarlen = merge_forward = None
+    Triton = TritonVarlen = merge_forward = _merge_rows_fused = None
 
 FUSED = tuple(kernel for kernel in (FA4, FA4MaskMod, FA4Segments, Cudnn, Triton, Flash, Efficient)
               if kernel is not None)
@@ -207,9 +208,22 @@ def merge_into(out, lse, part_out, part_lse, *, into=None) -> None:
     place or, given ``into``, written there (in into's dtype; out, which may then be in q's dtype,
     is left as it was). One fused Triton kernel, computing in float32, for float32 LSEs on CUDA,
     else the reference (float64 results, the CPU)."""
-    fused = (merge_forward is not None and out.is_cuda and lse.dtype == torch.float32
-             and (out.dtype == torch.float32 or into is not None) and capability(out.device) >= (8, 0))
-    if fused:
+    if _merges_fused(out, lse) and (out.dtype == torch.float32 or into is not None):
         merge_forward(out, lse, part_out, part_lse, out=out if into is None else into, lse=lse)
     else:
         reference.merge_into(out, lse, part_out, part_lse, into=into)
+
+
+def merge_rows_into(acc, acc_lse, part_out, part_lse, rows, part_start) -> None:
+    """Rows ``rows`` (a 1-D index over dim 2) of the running (acc, acc_lse), (1, H, S, D) in the
+    LSE's dtype, merged in place with rows ``rows - part_start`` of the part: one fused Triton
+    kernel for float32 on CUDA, else the reference."""
+    if _merges_fused(acc, acc_lse) and acc.dtype == torch.float32:
+        _merge_rows_fused(acc, acc_lse, part_out, part_lse, rows, part_start)
+    else:
+        reference.merge_rows_into(acc, acc_lse, part_out, part_lse, rows, part_start)
+
+
+def _merges_fused(out, lse) -> bool:
+    return (merge_forward is not None and out.is_cuda and lse.dtype == torch.float32
+            and capability(out.device) >= (8, 0))

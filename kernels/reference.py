@@ -191,3 +191,13 @@ def merge_into(out, lse, part_out, part_lse, *, into=None) -> None:
     else:
         into.copy_(out + weight * (part_out - out))
     lse.copy_(torch.logaddexp(lse, part_lse))
+
+
+def merge_rows_into(acc, acc_lse, part_out, part_lse, rows, part_start) -> None:
+    """``merge_into`` of rows ``rows`` (dim 2) of the running (acc, acc_lse) with rows ``rows -
+    part_start`` of the part, in place."""
+    rows = rows.long()  # index_copy_ takes no other
+    out, lse = acc.index_select(2, rows), acc_lse.index_select(2, rows)
+    merge_into(out, lse, part_out.index_select(2, rows - part_start), part_lse.index_select(2, rows - part_start))
+    acc.index_copy_(2, rows, out)
+    acc_lse.index_copy_(2, rows, lse)

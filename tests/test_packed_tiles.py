@@ -12,7 +12,7 @@ from attn_compile.cp.bench_documents import mixed_lengths
 from attn_compile.cp.documents import DocumentSharding
 from attn_compile.cp.grad_sum import GradSum
 from attn_compile.cp.layout import SequenceSharding
-from attn_compile.cp.merge import MergedResult
+from attn_compile.cp.merge import IndexedResult, MergedResult, running_result
 from attn_compile.cp.packed_tiles import PackedTiles
 from attn_compile.cp.tiles import Tile, attend_tiles, attend_tiles_backward, k_parts, plan_calls, plan_tiles, q_parts
 from attn_compile.kernels.dispatch import runs_ends_aligned
@@ -96,7 +96,9 @@ def _run_steps(sharding, is_causal, window, strategy, counts, seed=0, ends_align
     for rank in range(cp):
         plans = [plan_calls(sharding.chunks(rank), keys(rank, s)[0], is_causal, window, ends_aligned)
                  for s in sources[rank]]
-        result = MergedResult(shard(q, rank), shard(v, rank), [r for plan in plans for r in q_parts(plan)])
+        calls = [call for plan in plans for call in plan]  # as the ring of more than two steps merges them
+        result = running_result(shard(q, rank), shard(v, rank), calls) if strategy == "ring" else \
+            MergedResult(shard(q, rank), shard(v, rank), q_parts(calls))
         for plan, source in zip(plans, sources[rank]):
             counted_call(lambda: attend_tiles(shard(q, rank), *keys(rank, source)[1:], plan, SCALE, result))
         results.append(result)
@@ -271,7 +273,8 @@ def _nan_in(kernel, fillers):
     return run
 
 
-def test_filler_rows_are_never_read_whatever_the_kernel_writes(monkeypatch):
+@pytest.mark.parametrize("indexed", [False, True], ids=["part by part", "by index"])
+def test_filler_rows_are_never_read_whatever_the_kernel_writes(monkeypatch, indexed):
     """Rows between a packed call's tiles (filler segments, with no key or no query) are no part of
     the results it adds to: its parts are the tiles' rows, and results over every row of the
     buffers are the same where a kernel leaves NaN in the filler rows; rows no tile covers come out
@@ -282,7 +285,7 @@ def test_filler_rows_are_never_read_whatever_the_kernel_writes(monkeypatch):
     q_fillers, k_fillers = [2, 3, 4], [3, 4]  # in the spans, rows 2..9 of q and 0..6 of k
 
     def run():
-        result = MergedResult(q, v, q_parts([call]))
+        result = IndexedResult(q, v) if indexed else MergedResult(q, v, q_parts([call]))
         attend_tiles(q, k, v, [call], SCALE, result)
         dq, dk, dv = (GradSum(x, parts) for x, parts in ((q, call.q_parts), (k, call.k_parts), (v, call.k_parts)))
         attend_tiles_backward(dout, q, k, v, result.out, result.lse, [call], SCALE, dq, dk, dv)
@@ -357,6 +360,44 @@ def test_a_part_over_many_segments_in_one_state_merges_once(monkeypatch):
     for part in (*rows, slice(0, 40), slice(0, 40)):
         result.add(part, torch.randn_like(result.out[:, :, part]), torch.randn_like(result.lse[:, :, part]))
     assert len(merges) == 2
+
+
+def test_the_multi_step_ring_merges_packed_calls_by_index():
+    """A ring of more than two steps merges a packed call's rows in one launch (``IndexedResult``);
+    one of a dense sequence, whose calls have one part each, part by part."""
+    packed = DocumentSharding(_cu(_documents(3)), 4, "zigzag")
+    calls = [call for step in range(4) for call in plan_calls(packed.chunks(1), packed.chunks((1 - step) % 4), True,
+                                                                NO_WINDOW)]
+    q, _, v, _ = _inputs(packed.local_len(1), 0)
+    assert isinstance(running_result(q, v, calls), IndexedResult)
+    dense = SequenceSharding(4, "zigzag", 16)
+    calls = [call for step in range(4) for call in plan_calls(dense.chunks(1), dense.chunks((1 - step) % 4), True,
+                                                               NO_WINDOW)]
+    assert isinstance(running_result(q[:, :, :32], v[:, :, :32], calls), MergedResult)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [NO_WINDOW, (24, 0)])
+def test_merging_by_index_matches_part_by_part_on_the_gpu(window):
+    """A zigzag ring of 4 steps on packed documents, one rank's steps in one process on the
+    dispatched kernels: the results merged by index (one fused launch a call, float32 to the end)
+    against those merged part by part."""
+    sharding = DocumentSharding(_cu([8 * n for n in _documents(2)]), 4, "zigzag")
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, h, sharding.total, 128, device="cuda", dtype=torch.bfloat16) for h in (8, 2, 2))
+    shard = lambda x, rank: sharding.take(x, rank, 2)  # noqa: E731
+    steps = [(plan_calls(sharding.chunks(1), sharding.chunks(source), True, window), shard(k, source), shard(v, source))
+             for source in (1, 0, 3, 2)]
+    q1 = shard(q, 1)
+    results = (IndexedResult(q1, v), MergedResult(q1, v, q_parts([call for calls, _, _ in steps for call in calls])))
+    for result in results:
+        for calls, k_part, v_part in steps:
+            attend_tiles(q1, k_part, v_part, calls, SCALE, result)
+    (out, lse), (want_out, want_lse) = ((r.out, r.lse) for r in results)
+    assert out.dtype == q.dtype and out.stride() == want_out.stride()
+    assert torch.equal(lse.isneginf(), want_lse.isneginf())
+    assert rel_err(out.float(), want_out.float()) <= 1e-2
+    assert rel_err(lse[lse.isfinite()], want_lse[want_lse.isfinite()]) <= 1e-5
 
 
 @pytest.mark.gpu

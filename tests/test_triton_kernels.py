@@ -405,6 +405,28 @@ def test_merge_of_a_first_part_kept_in_bf16_into_the_output():
     assert rel_err(lse, want_lse) <= 1e-6
 
 
+def test_merge_rows_into_a_running_result_by_index():
+    """As a packed call merges into the ring's running result: the call's rows, given by index (two
+    runs, the filler rows between them and NaN in them never read), merged in place into the
+    float32 (out, lse) of every row; a token-major part, against the reference."""
+    torch.manual_seed(10)
+    acc, acc_lse = torch.randn(1, 3, 40, 24, device=DEVICE), torch.randn(1, 3, 40, device=DEVICE)
+    acc_lse[:, :, ::5] = float("-inf")
+    acc[acc_lse.isneginf()] = 0.0
+    part = torch.randn(1, 16, 3, 24, device=DEVICE, dtype=torch.float16).transpose(1, 2)
+    part_lse = torch.randn(1, 16, 3, device=DEVICE).transpose(1, 2)
+    part_lse[:, :, ::3] = float("-inf")
+    rows = torch.tensor([*range(8, 12), *range(15, 24)], device=DEVICE, dtype=torch.int32)
+    part[:, :, 4:7] = float("nan")  # the filler rows 12..14
+    part_lse[:, :, 4:7] = float("nan")
+    want_out, want_lse = acc.double(), acc_lse.double()
+    reference.merge_rows_into(want_out, want_lse, part.double(), part_lse.double(), rows.long(), 8)
+    ta.merge_rows_into(acc, acc_lse, part, part_lse, rows, 8)
+    assert torch.equal(acc_lse.isneginf(), want_lse.isneginf()) and not acc.isnan().any()
+    assert rel_err(acc, want_out) <= 1e-6
+    assert rel_err(acc_lse[acc_lse.isfinite()], want_lse[want_lse.isfinite()]) <= 1e-6
+
+
 def _bad_calls():
     q, k, v = make_qkv("gqa", s_q=8, requires_grad=False)
     out, lse = torch.zeros(*q.shape[:-1], v.shape[-1]), torch.zeros(q.shape[:-1])
@@ -425,6 +447,9 @@ def _bad_calls():
         "cu_seqlens_q": lambda: ta.varlen_forward(q[0], k[0], v[0], cu.long(), cu, 8, 8, scale=1.0),
         "max_seqlen_q, max_seqlen_k": lambda: ta.varlen_forward(q[0], k[0], v[0], cu, cu, 1 << 28, 8, scale=1.0),
         "lse_b": lambda: ta.merge_forward(out, lse, out, lse[0]),
+        "acc:": lambda: ta.merge_rows_into(out, lse, out, lse, torch.arange(8), 0),
+        "rows:": lambda: ta.merge_rows_into(out[:1].float(), lse[:1].float(), out[:1], lse[:1],
+                                            torch.arange(8.0), 0),
         "into: writes in place": lambda: ta.attention_forward(q, k, v, scale=1.0, into=(out, lse)),
         "into: dk must have shape": lambda: ta.attention_backward(
             out, q, k, v, out, lse, scale=1.0, key_padding_mask=torch.ones(2, 8, dtype=torch.bool),

@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-LIMIT = 64  # entries: a step's shardings and packed calls, forward and backward, on up to 8 ranks of a ring
+LIMIT = 128  # entries: a step's shardings and packed calls (segments, query rows), forward and backward, 8 ranks
 _copies: OrderedDict = OrderedDict()
 
 

@@ -1,10 +1,13 @@
 """Merging partial attention results over disjoint key sets, by their log-sum-exp."""
+import functools
+
 import torch
 
-from attn_compile.kernels.dispatch import merge_into
+from attn_compile.kernels.dispatch import merge_into, merge_rows_into
 from attn_compile.kernels.reference import lse_dtype
 from attn_compile.kernels.result_layout import empty_out
 
+from . import device_copies
 from .row_parts import RowParts
 from .words import copy_into
 
@@ -33,6 +36,13 @@ class MergedResult(RowParts):
             self.out[:, :, segment].zero_()
             self.lse[:, :, segment].fill_(float("-inf"))
 
+    def add_call(self, call, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Merges in the result of a kernel call over the query rows ``call.q_rows``: each of its
+        ``q_parts`` (``tiles.attend_tiles``)."""
+        for rows in call.q_parts:
+            piece = slice(rows.start - call.q_rows.start, rows.stop - call.q_rows.start)
+            self.add(rows, out[:, :, piece], lse[:, :, piece])
+
     def add(self, rows: slice, part_out: torch.Tensor, part_lse: torch.Tensor) -> None:
         """Merges in a part: the attention of query rows ``rows`` to keys no earlier part held."""
         for first, last, run, segment, piece in self.runs(rows):
@@ -46,3 +56,41 @@ class MergedResult(RowParts):
             else:
                 merge_into(self.kept_or_running(run, segment), self.lse[:, :, segment],
                            out, lse, into=self.out[:, :, segment] if last else None)
+
+
+class IndexedResult:
+    """The attention of the local queries to keys that come one call at a time, where a call's
+    rows lie in several parts (a packed call's document chunks): the running result is kept in
+    the LSE's dtype over every row, each call's rows merge into it in one launch
+    (``merge_rows_into``, the rows by index), and the output is cast to q's dtype once, when
+    ``out`` is first read, after the last call. Part by part (``MergedResult``) the zigzag ring of
+    4 H200s launched 73-102 merges and 34-149 copies a forward on packed documents, and its host
+    took 21-22 ms a forward for 5-7 ms of FA4 (BENCHMARKS.md). Rows that no call covers come out
+    0 with LSE -inf."""
+
+    def __init__(self, q: torch.Tensor, v: torch.Tensor):
+        self._q = q
+        self._acc = q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=lse_dtype(q.dtype))
+        self.lse = q.new_full(q.shape[:-1], float("-inf"), dtype=lse_dtype(q.dtype))
+
+    def add_call(self, call, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Merges in the result of a kernel call over the query rows ``call.q_rows``: the rows of its
+        ``q_parts``; the rest of its span (filler rows between them) is not read."""
+        rows, = device_copies.on_device(call, "q rows", out.device, lambda: (_row_index(call.q_parts),))
+        merge_rows_into(self._acc, self.lse, out, lse, rows, call.q_rows.start)
+
+    @functools.cached_property
+    def out(self) -> torch.Tensor:
+        return empty_out(self._q, self._acc.shape[-1]).copy_(self._acc)
+
+
+def _row_index(parts) -> torch.Tensor:
+    return torch.cat([torch.arange(rows.start, rows.stop, dtype=torch.int32) for rows in parts])
+
+
+def running_result(q: torch.Tensor, v: torch.Tensor, calls):
+    """The result that the outputs of ``calls`` merge into: by index where some call's rows lie in
+    several parts (packed documents), else part by part."""
+    if any(len(call.q_parts) > 1 for call in calls):
+        return IndexedResult(q, v)
+    return MergedResult(q, v, [rows for call in calls for rows in call.q_parts])

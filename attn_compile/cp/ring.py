@@ -29,7 +29,7 @@ from .comm import pass_round, resolve, sized_group
 from .failures import failing_together, wait
 from .grad_sum import GradSum, most_parts
 from .layout import Chunk
-from .merge import MergedResult, empty_result
+from .merge import MergedResult, empty_result, running_result
 from .registration import nothing_kept, register_kept_kv
 from .tiles import Tile, attend_tiles, attend_tiles_backward, k_parts, plan_calls, plan_tiles, q_parts
 from .ulysses import head_rows_bound
@@ -184,7 +184,7 @@ def ring_forward(q, k, v, group, scale, is_causal, window, sharding, kept=None):
         buffer.zero_()
     k, v = sharding.pad(k, 2), sharding.pad(v, 2)
     calls = [_calls(sharding, rank, (rank - step) % size, is_causal, window) for step in range(steps)]
-    result = MergedResult(q, v, [rows for step_calls in calls for rows in q_parts(step_calls)])
+    result = running_result(q, v, [call for step_calls in calls for call in step_calls])
     for step in range(steps):
         if step + 1 < steps:
             next_kv, kv_works = pass_round((k, v), group, KV_TAG)

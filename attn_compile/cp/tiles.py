@@ -278,12 +278,9 @@ def _within(rows: slice, span: slice) -> slice:
 
 def attend_tiles(q, k, v, calls, scale: float, result) -> None:
     """Adds the attention of q to (k, v) over ``plan_calls``' calls into ``result`` (a
-    ``merge.MergedResult`` told their ``q_parts``)."""
+    ``merge.MergedResult`` told their ``q_parts``, or a ``merge.IndexedResult``)."""
     for call in calls:
-        out, lse = call.forward(q, k, v, scale)
-        for rows in call.q_parts:
-            piece = _within(rows, call.q_rows)
-            result.add(rows, out[:, :, piece], lse[:, :, piece])
+        result.add_call(call, *call.forward(q, k, v, scale))
 
 
 def attend_tiles_backward(dout, q, k, v, out, lse, calls, scale: float, dq, dk, dv) -> None:
