@@ -8,7 +8,7 @@ from attn_compile.kernels.reference import lse_dtype
 from attn_compile.kernels.result_layout import empty_out
 
 from . import device_copies
-from .row_parts import RowParts
+from .row_parts import RowParts, within
 from .words import copy_into
 
 
@@ -40,7 +40,7 @@ class MergedResult(RowParts):
         """Merges in the result of a kernel call over the query rows ``call.q_rows``: each of its
         ``q_parts`` (``tiles.attend_tiles``)."""
         for rows in call.q_parts:
-            piece = slice(rows.start - call.q_rows.start, rows.stop - call.q_rows.start)
+            piece = within(rows, call.q_rows)
             self.add(rows, out[:, :, piece], lse[:, :, piece])
 
     def add(self, rows: slice, part_out: torch.Tensor, part_lse: torch.Tensor) -> None:

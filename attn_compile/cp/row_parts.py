@@ -12,6 +12,11 @@ import itertools
 import torch
 
 
+def within(rows: slice, span: slice) -> slice:
+    """``rows`` counted from the start of ``span``, the rows a call's results hold."""
+    return slice(rows.start - span.start, rows.stop - span.start)
+
+
 def segments(rows: int, parts_rows: list[slice]) -> tuple[list[slice], list[int]]:
     """Rows 0..``rows`` cut at every part's edges, and how many parts cover each segment."""
     cuts = sorted({0, rows, *(r.start for r in parts_rows), *(r.stop for r in parts_rows)})

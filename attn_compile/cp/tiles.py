@@ -31,6 +31,7 @@ from attn_compile.kernels.visibility import Visibility, classify, effective_wind
 
 from .layout import Chunk
 from .packed_tiles import ends_together, packed_calls, packs
+from .row_parts import within
 
 NO_WINDOW = (-1, -1)
 
@@ -271,11 +272,6 @@ def k_parts(calls) -> list[slice]:
     return [rows for call in calls for rows in call.k_parts]
 
 
-def _within(rows: slice, span: slice) -> slice:
-    """``rows`` counted from the start of ``span``, the rows a call's results hold."""
-    return slice(rows.start - span.start, rows.stop - span.start)
-
-
 def attend_tiles(q, k, v, calls, scale: float, result) -> None:
     """Adds the attention of q to (k, v) over ``plan_calls``' calls into ``result`` (a
     ``merge.MergedResult`` told their ``q_parts``, or a ``merge.IndexedResult``)."""
@@ -291,4 +287,4 @@ def attend_tiles_backward(dout, q, k, v, out, lse, calls, scale: float, dq, dk, 
         for total, parts, span, grad in zip((dq, dk, dv), (call.q_parts, call.k_parts, call.k_parts),
                                             (call.q_rows, call.k_rows, call.k_rows), grads):
             for rows in parts:
-                total.add(rows, grad[:, :, _within(rows, span)])
+                total.add(rows, grad[:, :, within(rows, span)])
