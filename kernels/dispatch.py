@@ -13,8 +13,8 @@ Triton, which read them on the device; where none of them runs, document ids are
 host and run as packed documents.
 Packed documents (``varlen_*``) try FA4, Triton, then FA2's varlen kernel (which pads V for MLA
 inside its adapter), then one reference call per document. ``merge_into`` combines partial
-results, ``merge_rows_into`` a part's rows given by index into a running result: one fused
-Triton kernel each on CUDA.
+results, ``merge_rows_into`` a part's rows given by index into a running result, and
+``add_rows_into`` a gradient's: one fused Triton kernel each on CUDA.
 
 Mask arguments, shared by every function here: ``is_causal`` (key j visible to query i when
 j <= i), ``window=(left, right)`` (i-left <= j <= i+right, -1 unbounded), ``attn_mask`` (bool,
@@ -38,9 +38,10 @@ from .problem import Problem, capability
 from .ranking import ranked
 
 try:
-    from .triton_attention import Triton, TritonVarlen, merge_forward, merge_rows_into as _merge_rows_fused
+    from .triton_attention import Triton, TritonVarlen, merge_forward
+    from .triton_attention import add_rows_into as _add_rows_fused, merge_rows_into as _merge_rows_fused
 except ImportError:  # triton is a Linux-only dependency
-    Triton = TritonVarlen = merge_forward = _merge_rows_fused = None
+    Triton = TritonVarlen = merge_forward = _merge_rows_fused = _add_rows_fused = None
 
 FUSED = tuple(kernel for kernel in (FA4, FA4MaskMod, FA4Segments, Cudnn, Triton, Flash, Efficient)
               if kernel is not None)
@@ -224,6 +225,20 @@ def merge_rows_into(acc, acc_lse, part_out, part_lse, rows, part_start) -> None:
         reference.merge_rows_into(acc, acc_lse, part_out, part_lse, rows, part_start)
 
 
+def add_rows_into(acc, part, rows, part_start) -> None:
+    """Rows ``rows - part_start`` of a gradient's part added into rows ``rows`` (a 1-D index over
+    dim 2) of the running sum acc, (1, H, S, D), in place: one fused Triton kernel for float32 on
+    CUDA, else the reference."""
+    if _fused_on(acc) and acc.dtype == torch.float32:
+        _add_rows_fused(acc, part, rows, part_start)
+    else:
+        reference.add_rows_into(acc, part, rows, part_start)
+
+
 def _merges_fused(out, lse) -> bool:
-    return (merge_forward is not None and out.is_cuda and lse.dtype == torch.float32
-            and capability(out.device) >= (8, 0))
+    return _fused_on(out) and lse.dtype == torch.float32
+
+
+def _fused_on(x) -> bool:
+    """Whether the fused Triton merges and sums run on x's device."""
+    return merge_forward is not None and x.is_cuda and capability(x.device) >= (8, 0)

@@ -201,3 +201,9 @@ def merge_rows_into(acc, acc_lse, part_out, part_lse, rows, part_start) -> None:
     merge_into(out, lse, part_out.index_select(2, rows - part_start), part_lse.index_select(2, rows - part_start))
     acc.index_copy_(2, rows, out)
     acc_lse.index_copy_(2, rows, lse)
+
+
+def add_rows_into(acc, part, rows, part_start) -> None:
+    """Rows ``rows - part_start`` of ``part`` added into rows ``rows`` (dim 2) of ``acc``, in place."""
+    rows = rows.long()  # index_add_ takes no other
+    acc.index_add_(2, rows, part.index_select(2, rows - part_start).to(acc.dtype))

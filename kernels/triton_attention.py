@@ -17,6 +17,7 @@ of triton_forward.py, triton_backward.py and triton_merge.py.
   is top-left aligned, as in SDPA). The LSE is (total_q, H), lined up with out.
 - ``merge_forward``: one (out, lse) pair from two over disjoint key sets, or a running pair updated in place.
 - ``merge_rows_into``: rows of a running float32 (out, lse), given by index, merged with a part's in place.
+- ``add_rows_into``: a part's rows added into a float32 gradient sum at rows given by index.
 - ``Triton``: the kernels as dispatch.py sees a kernel.
 
 The tiles the kernels' loops walk are read through tensor descriptors (TMA on Hopper): the
@@ -41,7 +42,7 @@ from .problem import Problem
 from .result_layout import empty_out
 from .triton_backward import backward
 from .triton_forward import forward
-from .triton_merge import merge, merge_rows
+from .triton_merge import add_rows, merge, merge_rows
 from .triton_tiles import MAX_SPAN, UNBOUNDED
 from .visibility import effective_window
 
@@ -298,21 +299,35 @@ def merge_rows_into(acc, acc_lse, part_out, part_lse, rows, part_start) -> None:
     """Rows ``rows`` (1-D int32 or int64, each row once) of the running float32 result acc (1, H, S, D),
     acc_lse (1, H, S) merged in place with rows ``rows - part_start`` of part_out (1, H, S_part, D)
     and part_lse (1, H, S_part)."""
-    if acc.dim() != 4 or acc.shape[0] != 1 or acc.dtype != torch.float32 or acc.stride(-1) != 1:
-        raise ValueError(f"acc: shape {tuple(acc.shape)}, {acc.dtype}, last stride {acc.stride(-1)}; expected "
-                         "(1, H, S, D) float32 with last stride 1")
+    _check_indexed(acc, "part_out", part_out, rows)
     if acc_lse.shape != acc.shape[:-1] or acc_lse.dtype != torch.float32:
         raise ValueError(f"acc_lse: shape {tuple(acc_lse.shape)}, {acc_lse.dtype}; expected "
                          f"{tuple(acc.shape[:-1])} float32")
-    if part_out.dim() != 4 or part_out.shape[:2] != acc.shape[:2] or part_out.shape[-1] != acc.shape[-1]:
-        raise ValueError(f"part_out: shape {tuple(part_out.shape)}; expected "
-                         f"(1, {acc.shape[1]}, S_part, {acc.shape[-1]})")
     if part_lse.shape != part_out.shape[:-1]:
         raise ValueError(f"part_lse: shape {tuple(part_lse.shape)}; expected {tuple(part_out.shape[:-1])}")
-    if rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"rows: {rows.dim()}-D {rows.dtype}; expected a 1-D int32 or int64 index")
     if rows.numel():
         merge_rows(acc, acc_lse, *_unit_last(part_out), part_lse, rows, part_start)
+
+
+def add_rows_into(acc, part, rows, part_start) -> None:
+    """Rows ``rows - part_start`` of part (1, H, S_part, D) added into rows ``rows`` (1-D int32 or
+    int64, each row once) of the float32 sum acc (1, H, S, D), in place."""
+    _check_indexed(acc, "part", part, rows)
+    if rows.numel():
+        add_rows(acc, *_unit_last(part), rows, part_start)
+
+
+def _check_indexed(acc, part_name: str, part, rows) -> None:
+    """What the updates of rows given by index ask of their running float32 tensor, their part and
+    their index."""
+    if acc.dim() != 4 or acc.shape[0] != 1 or acc.dtype != torch.float32 or acc.stride(-1) != 1:
+        raise ValueError(f"acc: shape {tuple(acc.shape)}, {acc.dtype}, last stride {acc.stride(-1)}; expected "
+                         "(1, H, S, D) float32 with last stride 1")
+    if part.dim() != 4 or part.shape[:2] != acc.shape[:2] or part.shape[-1] != acc.shape[-1]:
+        raise ValueError(f"{part_name}: shape {tuple(part.shape)}; expected "
+                         f"(1, {acc.shape[1]}, S_part, {acc.shape[-1]})")
+    if rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"rows: {rows.dim()}-D {rows.dtype}; expected a 1-D int32 or int64 index")
 
 
 Triton = Kernel("triton", supports, attention_forward, attention_backward)  # every mask argument

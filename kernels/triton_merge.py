@@ -3,7 +3,8 @@ lse = log(e^lse_a + e^lse_b), out = e^(lse_a - lse) out_a + e^(lse_b - lse) out_
 A side with LSE -inf saw no key and contributes nothing, whatever its output holds.
 ``merge`` takes two results row for row; ``merge_rows`` merges one call's rows, given by index,
 into a running float32 result, so that a call whose rows lie in many runs (packed documents)
-merges in one launch.
+merges in one launch. ``add_rows`` is the backward's counterpart: one call's gradient rows, given
+by index, added into a float32 sum.
 """
 import triton
 import triton.language as tl
@@ -62,15 +63,21 @@ def _merge_kernel(OutA, LseA, OutB, LseB, Out, Lse, n_rows, dim1, dim2,
 
 
 @triton.jit
+def _indexed_rows(Rows, n_index, BLOCK_R: tl.constexpr):
+    """(the rows this program's entries of the index name, as int64; which entries exist)."""
+    index = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    index_ok = index < n_index
+    return tl.load(Rows + index, mask=index_ok, other=0).to(tl.int64), index_ok
+
+
+@triton.jit
 def _merge_rows_kernel(Acc, AccLse, Part, PartLse, Rows, n_index, part_start,
                        stride_a1, stride_a2, stride_p1, stride_p2, stride_la1, stride_la2, stride_lp1, stride_lp2,
                        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
     """Head program_id(1), index entries of block program_id(0): row Rows[i] of the running result
     merges with row Rows[i] - part_start of the part, in place."""
     head = tl.program_id(1).to(tl.int64)
-    index = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    index_ok = index < n_index
-    rows = tl.load(Rows + index, mask=index_ok, other=0).to(tl.int64)
+    rows, index_ok = _indexed_rows(Rows, n_index, BLOCK_R)
     part_rows = rows - part_start
     acc_lse_ptrs = AccLse + head * stride_la1 + rows * stride_la2
     lse_a = tl.load(acc_lse_ptrs, mask=index_ok, other=float("-inf"))
@@ -83,6 +90,21 @@ def _merge_rows_kernel(Acc, AccLse, Part, PartLse, Rows, n_index, part_start,
     out, lse = _merged(lse_a, lse_b, a_ptrs, b_ptrs, mask)
     tl.store(a_ptrs, out, mask=mask)
     tl.store(acc_lse_ptrs, lse, mask=index_ok)
+
+
+@triton.jit
+def _add_rows_kernel(Acc, Part, Rows, n_index, part_start, stride_a1, stride_a2, stride_p1, stride_p2,
+                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Head program_id(1), index entries of block program_id(0): row Rows[i] - part_start of the
+    part added into row Rows[i] of the float32 sum, in place."""
+    head = tl.program_id(1).to(tl.int64)
+    rows, index_ok = _indexed_rows(Rows, n_index, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    mask = index_ok[:, None] & (cols < D)[None, :]
+    a_ptrs = Acc + head * stride_a1 + (rows * stride_a2)[:, None] + cols[None, :]
+    b_ptrs = Part + head * stride_p1 + ((rows - part_start) * stride_p2)[:, None] + cols[None, :]
+    total = tl.load(a_ptrs, mask=mask, other=0.0) + tl.load(b_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(a_ptrs, total, mask=mask)
 
 
 def merge(out_a, lse_a, out_b, lse_b, out, lse):
@@ -108,5 +130,17 @@ def merge_rows(acc, acc_lse, part, part_lse, rows, part_start):
     _merge_rows_kernel[grid](
         acc, acc_lse, part, part_lse, rows, rows.numel(), part_start,
         *acc.stride()[1:3], *part.stride()[1:3], *acc_lse.stride()[1:], *part_lse.stride()[1:],
+        D=d, BLOCK_D=next_power_of_2(d), BLOCK_R=BLOCK_ROWS,
+    )
+
+
+def add_rows(acc, part, rows, part_start):
+    """Adds rows ``rows - part_start`` of ``part`` (1, H, S_part, D, any dtype) into rows ``rows`` (a
+    1-D int32 or int64 index over dim 2, each row once) of the float32 sum ``acc`` (1, H, S, D), in
+    place. Both have a unit last stride."""
+    d = acc.shape[-1]
+    grid = (cdiv(rows.numel(), BLOCK_ROWS), acc.shape[1])
+    _add_rows_kernel[grid](
+        acc, part, rows, rows.numel(), part_start, *acc.stride()[1:3], *part.stride()[1:3],
         D=d, BLOCK_D=next_power_of_2(d), BLOCK_R=BLOCK_ROWS,
     )

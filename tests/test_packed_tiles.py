@@ -10,7 +10,7 @@ import torch
 from attn_compile.cp import device_copies, packed_tiles, tiles
 from attn_compile.cp.bench_documents import mixed_lengths
 from attn_compile.cp.documents import DocumentSharding
-from attn_compile.cp.grad_sum import GradSum
+from attn_compile.cp.grad_sum import GradSum, IndexedGradSum, gradient_sum
 from attn_compile.cp.layout import SequenceSharding
 from attn_compile.cp.merge import IndexedResult, MergedResult, running_result
 from attn_compile.cp.packed_tiles import PackedTiles
@@ -106,10 +106,13 @@ def _run_steps(sharding, is_causal, window, strategy, counts, seed=0, ends_align
         out, lse = results[rank].out, results[rank].lse
         plans = [plan_calls(sharding.chunks(rank), keys(rank, s)[0], is_causal, window, ends_aligned)
                  for s in sources[rank]]
-        dq = GradSum(shard(q, rank), [r for plan in plans for r in q_parts(plan)])
+        # as the ring of more than two steps sums them: by index where a call has several parts
+        summed = (lambda x, calls, side: gradient_sum(x, calls, side)) if strategy == "ring" else \
+            (lambda x, calls, side: GradSum(x, q_parts(calls) if side == "q" else k_parts(calls)))
+        dq = summed(shard(q, rank), [call for plan in plans for call in plan], "q")
         for plan, plan_source in zip(plans, sources[rank]):
             _, k_part, v_part = keys(rank, plan_source)
-            dk, dv = (GradSum(x, k_parts(plan)) for x in (k_part, v_part))
+            dk, dv = (summed(x, plan, "k") for x in (k_part, v_part))
             counted_call(lambda: attend_tiles_backward(shard(dout, rank), shard(q, rank), k_part, v_part, out, lse,
                                                        plan, SCALE, dq, dk, dv))
             rows = torch.arange(sharding.total) if plan_source is None else held[plan_source]
@@ -287,7 +290,8 @@ def test_filler_rows_are_never_read_whatever_the_kernel_writes(monkeypatch, inde
     def run():
         result = IndexedResult(q, v) if indexed else MergedResult(q, v, q_parts([call]))
         attend_tiles(q, k, v, [call], SCALE, result)
-        dq, dk, dv = (GradSum(x, parts) for x, parts in ((q, call.q_parts), (k, call.k_parts), (v, call.k_parts)))
+        dq, dk, dv = (IndexedGradSum(x) if indexed else GradSum(x, parts)
+                      for x, parts in ((q, call.q_parts), (k, call.k_parts), (v, call.k_parts)))
         attend_tiles_backward(dout, q, k, v, result.out, result.lse, [call], SCALE, dq, dk, dv)
         return result.out, result.lse, dq.result(), dk.result(), dv.result()
 
@@ -362,18 +366,21 @@ def test_a_part_over_many_segments_in_one_state_merges_once(monkeypatch):
     assert len(merges) == 2
 
 
-def test_the_multi_step_ring_merges_packed_calls_by_index():
-    """A ring of more than two steps merges a packed call's rows in one launch (``IndexedResult``);
-    one of a dense sequence, whose calls have one part each, part by part."""
+def test_the_multi_step_ring_merges_and_sums_packed_calls_by_index():
+    """A ring of more than two steps merges a packed call's rows, and adds its gradients' rows, in one
+    launch (``IndexedResult``, ``IndexedGradSum``); those of a dense sequence, whose calls have one
+    part each, part by part."""
     packed = DocumentSharding(_cu(_documents(3)), 4, "zigzag")
     calls = [call for step in range(4) for call in plan_calls(packed.chunks(1), packed.chunks((1 - step) % 4), True,
                                                                 NO_WINDOW)]
-    q, _, v, _ = _inputs(packed.local_len(1), 0)
+    q, k, v, _ = _inputs(packed.local_len(1), 0)
     assert isinstance(running_result(q, v, calls), IndexedResult)
+    assert all(isinstance(gradient_sum(x, calls, side), IndexedGradSum) for x, side in ((q, "q"), (k, "k")))
     dense = SequenceSharding(4, "zigzag", 16)
     calls = [call for step in range(4) for call in plan_calls(dense.chunks(1), dense.chunks((1 - step) % 4), True,
                                                                NO_WINDOW)]
     assert isinstance(running_result(q[:, :, :32], v[:, :, :32], calls), MergedResult)
+    assert all(type(gradient_sum(x[:, :, :32], calls, side)) is GradSum for x, side in ((q, "q"), (k, "k")))
 
 
 @pytest.mark.gpu
@@ -381,7 +388,7 @@ def test_the_multi_step_ring_merges_packed_calls_by_index():
 def test_merging_by_index_matches_part_by_part_on_the_gpu(window):
     """A zigzag ring of 4 steps on packed documents, one rank's steps in one process on the
     dispatched kernels: the results merged by index (one fused launch a call, float32 to the end)
-    against those merged part by part."""
+    against those merged part by part, and so the gradients summed."""
     sharding = DocumentSharding(_cu([8 * n for n in _documents(2)]), 4, "zigzag")
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, h, sharding.total, 128, device="cuda", dtype=torch.bfloat16) for h in (8, 2, 2))
@@ -398,6 +405,18 @@ def test_merging_by_index_matches_part_by_part_on_the_gpu(window):
     assert torch.equal(lse.isneginf(), want_lse.isneginf())
     assert rel_err(out.float(), want_out.float()) <= 1e-2
     assert rel_err(lse[lse.isfinite()], want_lse[want_lse.isfinite()]) <= 1e-5
+    dout = torch.randn_like(out)
+    keys = [(calls, x) for calls, k_part, v_part in steps for x in (k_part, v_part)]
+    sums = [(IndexedGradSum(q1), [IndexedGradSum(x) for _, x in keys]),
+            (GradSum(q1, q_parts([call for calls, _, _ in steps for call in calls])),
+             [GradSum(x, k_parts(calls)) for calls, x in keys])]
+    for dq, dkv in sums:
+        for (calls, k_part, v_part), dk, dv in zip(steps, dkv[::2], dkv[1::2]):
+            attend_tiles_backward(dout, q1, k_part, v_part, want_out, want_lse, calls, SCALE, dq, dk, dv)
+    for got, want in zip([sums[0][0], *sums[0][1]], [sums[1][0], *sums[1][1]]):
+        got, want = got.result(), want.result()
+        assert got.dtype == want.dtype and got.stride() == want.stride()
+        assert rel_err(got.float(), want.float()) <= 1e-2
 
 
 @pytest.mark.gpu

@@ -427,6 +427,23 @@ def test_merge_rows_into_a_running_result_by_index():
     assert rel_err(acc_lse[acc_lse.isfinite()], want_lse[want_lse.isfinite()]) <= 1e-6
 
 
+def test_add_rows_into_a_gradient_sum_by_index():
+    """As a packed call's gradient adds into the ring's float32 sum: the call's rows, given by index
+    (two runs, the filler rows between them and NaN in them never read), added in place; a
+    token-major part in bf16 into a token-major sum, against the reference."""
+    torch.manual_seed(11)
+    acc = torch.randn(1, 40, 3, 24, device=DEVICE).transpose(1, 2)
+    part = torch.randn(1, 16, 3, 24, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2)
+    rows = torch.tensor([*range(8, 12), *range(15, 24)], device=DEVICE, dtype=torch.int32)
+    part[:, :, 4:7] = float("nan")  # the filler rows 12..14
+    want = acc.double()
+    reference.add_rows_into(want, part.double(), rows.long(), 8)
+    untouched = acc[:, :, [r for r in range(40) if r not in rows.tolist()]].clone()
+    ta.add_rows_into(acc, part, rows, 8)
+    assert not acc.isnan().any() and rel_err(acc, want) <= 1e-6
+    assert torch.equal(acc[:, :, [r for r in range(40) if r not in rows.tolist()]], untouched)
+
+
 def _bad_calls():
     q, k, v = make_qkv("gqa", s_q=8, requires_grad=False)
     out, lse = torch.zeros(*q.shape[:-1], v.shape[-1]), torch.zeros(q.shape[:-1])
@@ -450,6 +467,8 @@ def _bad_calls():
         "acc:": lambda: ta.merge_rows_into(out, lse, out, lse, torch.arange(8), 0),
         "rows:": lambda: ta.merge_rows_into(out[:1].float(), lse[:1].float(), out[:1], lse[:1],
                                             torch.arange(8.0), 0),
+        "part:": lambda: ta.add_rows_into(out[:1].float(), out[:1, :1], torch.arange(8), 0),
+        "rows: 2-D": lambda: ta.add_rows_into(out[:1].float(), out[:1], torch.arange(8)[None], 0),
         "into: writes in place": lambda: ta.attention_forward(q, k, v, scale=1.0, into=(out, lse)),
         "into: dk must have shape": lambda: ta.attention_backward(
             out, q, k, v, out, lse, scale=1.0, key_padding_mask=torch.ones(2, 8, dtype=torch.bool),

@@ -2,9 +2,10 @@
 shares), each over some rows (``row_parts.py``)."""
 import torch
 
+from attn_compile.kernels.dispatch import add_rows_into
 from attn_compile.kernels.result_layout import lies_as_grad
 
-from .row_parts import RowParts, segments
+from .row_parts import RowParts, call_rows, rows_on_device, segments, within
 from .words import copy_into
 
 
@@ -29,6 +30,12 @@ class GradSum(RowParts):
         if self._total is None:
             self._total = torch.empty_like(self._like, dtype=self._dtype)
         return self._total[:, :, segment]
+
+    def add_call(self, call, side: str, grad: torch.Tensor) -> None:
+        """Adds a kernel call's gradient over its ``side`` rows (``row_parts.call_rows``): each part."""
+        parts, span = call_rows(call, side)
+        for rows in parts:
+            self.add(rows, grad[:, :, within(rows, span)])
 
     def add(self, rows: slice, part: torch.Tensor) -> None:
         """Adds the gradient ``part`` of rows ``rows``."""
@@ -60,6 +67,49 @@ class GradSum(RowParts):
         if self._total is None:  # no rows
             self._rows(slice(0, 0))
         return self._total
+
+
+class IndexedGradSum:
+    """The sum of a (B, H, S, D) gradient's parts where a kernel call's rows lie in several parts (a
+    packed call's document chunks): kept in float32 over every row, each call's rows added in one
+    launch (``add_rows_into``, the rows by index), and rounded to ``dtype`` (like's by default)
+    once, when ``result`` is first read. Laid out as ``like``; rows no part covers are 0. Part by
+    part (``GradSum``), a call of a zigzag shard's packed documents adds one part per document
+    chunk it holds, each an add or a copy of its own: with one H200 playing each rank of the
+    4-rank zigzag ring on ``bench cp --documents``' batch, its host took 20-29 ms a fwd+bwd that
+    way with the window of 4096 and 21-25 ms without, against 14-18 and 4-5 ms summing by index
+    (BENCHMARKS.md)."""
+
+    def __init__(self, like: torch.Tensor, dtype=None):
+        self._dtype = like.dtype if dtype is None else dtype
+        self._sum = torch.zeros_like(like, dtype=torch.promote_types(self._dtype, torch.float32))
+        self._result = None
+
+    def add_call(self, call, side: str, grad: torch.Tensor) -> None:
+        """Adds a kernel call's gradient over its ``side`` rows (``row_parts.call_rows``) in one launch;
+        the rest of its span (filler rows between the parts) is not read."""
+        _, span = call_rows(call, side)
+        add_rows_into(self._sum, grad, rows_on_device(call, side, grad.device), span.start)
+
+    def add(self, rows: slice, part: torch.Tensor) -> None:
+        """Adds the gradient ``part`` of rows ``rows``."""
+        self._sum[:, :, rows] += part
+
+    def result(self) -> torch.Tensor:
+        """The sum, once every part has come."""
+        if self._result is None:
+            self._result = self._sum.to(self._dtype)  # the sum itself where the dtypes match
+        return self._result
+
+
+def gradient_sum(like: torch.Tensor, calls, side: str, dtype=None, more_parts=()):
+    """The sum that the gradients of ``calls`` over their ``side`` rows (``row_parts.call_rows``), and
+    ``more_parts`` (the rows of parts added with ``add``), add into: by index where some call's rows
+    lie in several parts (packed documents), else part by part."""
+    parts = [call_rows(call, side)[0] for call in calls]
+    if any(len(call_parts) > 1 for call_parts in parts):
+        return IndexedGradSum(like, dtype)
+    return GradSum(like, [rows for call_parts in parts for rows in call_parts] + list(more_parts), dtype)
 
 
 def most_parts(parts_rows: list[slice]) -> int:

@@ -7,8 +7,7 @@ from attn_compile.kernels.dispatch import merge_into, merge_rows_into
 from attn_compile.kernels.reference import lse_dtype
 from attn_compile.kernels.result_layout import empty_out
 
-from . import device_copies
-from .row_parts import RowParts, within
+from .row_parts import RowParts, rows_on_device, within
 from .words import copy_into
 
 
@@ -76,16 +75,11 @@ class IndexedResult:
     def add_call(self, call, out: torch.Tensor, lse: torch.Tensor) -> None:
         """Merges in the result of a kernel call over the query rows ``call.q_rows``: the rows of its
         ``q_parts``; the rest of its span (filler rows between them) is not read."""
-        rows, = device_copies.on_device(call, "q rows", out.device, lambda: (_row_index(call.q_parts),))
-        merge_rows_into(self._acc, self.lse, out, lse, rows, call.q_rows.start)
+        merge_rows_into(self._acc, self.lse, out, lse, rows_on_device(call, "q", out.device), call.q_rows.start)
 
     @functools.cached_property
     def out(self) -> torch.Tensor:
         return empty_out(self._q, self._acc.shape[-1]).copy_(self._acc)
-
-
-def _row_index(parts) -> torch.Tensor:
-    return torch.cat([torch.arange(rows.start, rows.stop, dtype=torch.int32) for rows in parts])
 
 
 def running_result(q: torch.Tensor, v: torch.Tensor, calls):

@@ -27,7 +27,7 @@ from attn_compile.kernels.result_layout import as_grad
 from .checks import check_call, sharding_of
 from .comm import pass_round, resolve, sized_group
 from .failures import failing_together, wait
-from .grad_sum import GradSum, most_parts
+from .grad_sum import GradSum, gradient_sum, most_parts
 from .layout import Chunk
 from .merge import MergedResult, empty_result, running_result
 from .registration import nothing_kept, register_kept_kv
@@ -203,15 +203,15 @@ def ring_backward(dout, q, k, v, out, lse, group, scale, is_causal, window, shar
         return halo_backward(dout, q, k, v, out, lse, group, scale, is_causal, window, sharding, kept)
     k, v = sharding.pad(k, 2), sharding.pad(v, 2)
     calls = [_calls(sharding, rank, (rank - step) % size, is_causal, window) for step in range(steps)]
-    dq = GradSum(q, [rows for step_calls in calls for rows in q_parts(step_calls)])
+    dq = gradient_sum(q, [call for step_calls in calls for call in step_calls], "q")
     whole = slice(0, k.shape[2])  # every shard travels padded to one length
     for step in range(steps):
         if step + 1 < steps:
             next_kv, kv_works = pass_round((k, v), group, KV_TAG)
         # what the ranks before this one found for the same keys is a part too; the last step's
         # sums are the whole gradients of the keys of rank - (steps - 1), and go home in k's dtype
-        rows = k_parts(calls[step]) + [whole] * (step > 0)
-        dk, dv = (GradSum(x, rows, dtype=None if step + 1 == steps else lse.dtype) for x in (k, v))
+        dk, dv = (gradient_sum(x, calls[step], "k", dtype=None if step + 1 == steps else lse.dtype,
+                               more_parts=[whole] * (step > 0)) for x in (k, v))
         attend_tiles_backward(dout, q, k, v, out, lse, calls[step], scale, dq, dk, dv)
         if step > 0:
             wait(grad_works, group)

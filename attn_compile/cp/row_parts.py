@@ -11,10 +11,28 @@ import itertools
 
 import torch
 
+from . import device_copies
+
 
 def within(rows: slice, span: slice) -> slice:
     """``rows`` counted from the start of ``span``, the rows a call's results hold."""
     return slice(rows.start - span.start, rows.stop - span.start)
+
+
+def call_rows(call, side: str) -> tuple[tuple[slice, ...], slice]:
+    """(the parts, the span) of a kernel call's ``side``: "q", the query rows it gives results
+    for, or "k", the key rows it gives gradients for."""
+    return (call.q_parts, call.q_rows) if side == "q" else (call.k_parts, call.k_rows)
+
+
+def rows_on_device(call, side: str, device) -> torch.Tensor:
+    """The rows of a call's ``side`` (``call_rows``), part after part, as one int32 index on
+    ``device``, kept there for the next calls (``device_copies``): updating them by index takes
+    one launch a call, however many parts its rows lie in."""
+    parts, _ = call_rows(call, side)
+    rows, = device_copies.on_device(call, f"{side} rows", device, lambda: (
+        torch.cat([torch.arange(r.start, r.stop, dtype=torch.int32) for r in parts]),))
+    return rows
 
 
 def segments(rows: int, parts_rows: list[slice]) -> tuple[list[slice], list[int]]:

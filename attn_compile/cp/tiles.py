@@ -31,7 +31,6 @@ from attn_compile.kernels.visibility import Visibility, classify, effective_wind
 
 from .layout import Chunk
 from .packed_tiles import ends_together, packed_calls, packs
-from .row_parts import within
 
 NO_WINDOW = (-1, -1)
 
@@ -280,11 +279,8 @@ def attend_tiles(q, k, v, calls, scale: float, result) -> None:
 
 
 def attend_tiles_backward(dout, q, k, v, out, lse, calls, scale: float, dq, dk, dv) -> None:
-    """Adds (k, v)'s share of the gradients into dq, dk, dv (``grad_sum.GradSum``s told the calls'
-    ``q_parts`` and ``k_parts``); out and lse are final."""
+    """Adds (k, v)'s share of the gradients into dq, dk, dv (``grad_sum.gradient_sum``'s sums, a
+    ``GradSum`` told the calls' ``q_parts`` or ``k_parts``); out and lse are final."""
     for call in calls:
-        grads = call.backward(dout, q, k, v, out, lse, scale)
-        for total, parts, span, grad in zip((dq, dk, dv), (call.q_parts, call.k_parts, call.k_parts),
-                                            (call.q_rows, call.k_rows, call.k_rows), grads):
-            for rows in parts:
-                total.add(rows, grad[:, :, within(rows, span)])
+        for total, side, grad in zip((dq, dk, dv), "qkk", call.backward(dout, q, k, v, out, lse, scale)):
+            total.add_call(call, side, grad)
