@@ -1,10 +1,12 @@
 """Gradients summed from parts over rows (``cp/grad_sum.py``), the query split of a tile, and the
 order of the two-step ring's backward, which hides both of its transfers behind kernels."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from attn_compile.cp import ring
-from attn_compile.cp.grad_sum import GradSum, most_parts
+from attn_compile.cp.grad_sum import GradSum, IndexedGradSum, most_parts
 from attn_compile.cp.layout import SequenceSharding
 from attn_compile.cp.tiles import Tile
 from attn_compile.kernels.visibility import effective_window, visible
@@ -77,6 +79,33 @@ def test_a_sum_missing_a_part_raises():
     total.add(slice(0, 4), torch.randn(1, 1, 4, 2))
     with pytest.raises(RuntimeError, match=r"^GradSum.result\(\) called before every part"):
         total.result()
+
+
+@pytest.mark.parametrize("layout", ["token-major", "last dim strided"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_sum_by_index_rounds_once_and_lies_as_a_gradient_of_its_input(dtype, layout):
+    """``IndexedGradSum``: a call's parts added by index (two parts of one call, with rows between them
+    that the call's span holds but no part names, NaN here), then a whole-rows part, summed in
+    float32 and rounded once; rows no part covers are 0, and the result has the strides of a
+    gradient of ``like``, whatever they are (its float32 sum keeps rows of unit stride)."""
+    torch.manual_seed(1)
+    like = torch.empty(1, 7, 3, 8, dtype=dtype).transpose(1, 2)  # (1, 3, 7, 8), token-major
+    if layout == "last dim strided":
+        like = torch.empty(1, 3, 8, 7, dtype=dtype).transpose(2, 3)
+    call = SimpleNamespace(q_parts=(slice(1, 3), slice(4, 5)), q_rows=slice(1, 5))
+    grad = torch.randn(1, 3, 4, 8).to(dtype)
+    grad[:, :, 2] = float("nan")  # row 3, between the parts
+    whole = torch.randn(1, 3, 6, 8).to(dtype)  # row 6 gets no part
+    total = IndexedGradSum(like)
+    total.add_call(call, "q", grad)
+    total.add(slice(0, 6), whole)
+    got = total.result()
+    want = torch.zeros(1, 3, 7, 8)
+    want[:, :, :6] = whole.float()
+    want[:, :, [1, 2, 4]] += grad[:, :, [0, 1, 3]].float()
+    assert got.dtype == dtype and got.stride() == torch.empty_like(like).stride()
+    assert torch.equal(got, want.to(dtype)) and got[:, :, 6].eq(0).all()
+    assert total.result() is got
 
 
 def test_most_parts():

@@ -81,8 +81,11 @@ class IndexedGradSum:
     (BENCHMARKS.md)."""
 
     def __init__(self, like: torch.Tensor, dtype=None):
-        self._dtype = like.dtype if dtype is None else dtype
-        self._sum = torch.zeros_like(like, dtype=torch.promote_types(self._dtype, torch.float32))
+        self._like, self._dtype = like, like.dtype if dtype is None else dtype
+        running = torch.promote_types(self._dtype, torch.float32)
+        self._sum = torch.zeros_like(like, dtype=running)
+        if self._sum.stride(-1) != 1:  # the fused sum reads and writes rows of unit stride
+            self._sum = torch.zeros(like.shape, dtype=running, device=like.device)
         self._result = None
 
     def add_call(self, call, side: str, grad: torch.Tensor) -> None:
@@ -98,7 +101,8 @@ class IndexedGradSum:
     def result(self) -> torch.Tensor:
         """The sum, once every part has come."""
         if self._result is None:
-            self._result = self._sum.to(self._dtype)  # the sum itself where the dtypes match
+            same = self._sum.dtype == self._dtype and lies_as_grad(self._sum, self._like)
+            self._result = self._sum if same else torch.empty_like(self._like, dtype=self._dtype).copy_(self._sum)
         return self._result
 
 
