@@ -5,7 +5,7 @@ import torch
 from attn_compile.kernels.dispatch import add_rows_into
 from attn_compile.kernels.result_layout import lies_as_grad
 
-from .row_parts import RowParts, call_rows, rows_on_device, segments, within
+from .row_parts import RowParts, by_index, call_pieces, call_rows, rows_on_device, segments
 from .words import copy_into
 
 
@@ -33,9 +33,8 @@ class GradSum(RowParts):
 
     def add_call(self, call, side: str, grad: torch.Tensor) -> None:
         """Adds a kernel call's gradient over its ``side`` rows (``row_parts.call_rows``): each part."""
-        parts, span = call_rows(call, side)
-        for rows in parts:
-            self.add(rows, grad[:, :, within(rows, span)])
+        for rows, piece in call_pieces(call, side):
+            self.add(rows, grad[:, :, piece])
 
     def add(self, rows: slice, part: torch.Tensor) -> None:
         """Adds the gradient ``part`` of rows ``rows``."""
@@ -110,10 +109,9 @@ def gradient_sum(like: torch.Tensor, calls, side: str, dtype=None, more_parts=()
     """The sum that the gradients of ``calls`` over their ``side`` rows (``row_parts.call_rows``), and
     ``more_parts`` (the rows of parts added with ``add``), add into: by index where some call's rows
     lie in several parts (packed documents), else part by part."""
-    parts = [call_rows(call, side)[0] for call in calls]
-    if any(len(call_parts) > 1 for call_parts in parts):
+    if by_index(calls, side):
         return IndexedGradSum(like, dtype)
-    return GradSum(like, [rows for call_parts in parts for rows in call_parts] + list(more_parts), dtype)
+    return GradSum(like, [rows for call in calls for rows in call_rows(call, side)[0]] + list(more_parts), dtype)
 
 
 def most_parts(parts_rows: list[slice]) -> int:

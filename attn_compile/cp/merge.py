@@ -7,7 +7,7 @@ from attn_compile.kernels.dispatch import merge_into, merge_rows_into
 from attn_compile.kernels.reference import lse_dtype
 from attn_compile.kernels.result_layout import empty_out
 
-from .row_parts import RowParts, rows_on_device, within
+from .row_parts import RowParts, by_index, call_pieces, rows_on_device
 from .words import copy_into
 
 
@@ -38,8 +38,7 @@ class MergedResult(RowParts):
     def add_call(self, call, out: torch.Tensor, lse: torch.Tensor) -> None:
         """Merges in the result of a kernel call over the query rows ``call.q_rows``: each of its
         ``q_parts`` (``tiles.attend_tiles``)."""
-        for rows in call.q_parts:
-            piece = within(rows, call.q_rows)
+        for rows, piece in call_pieces(call, "q"):
             self.add(rows, out[:, :, piece], lse[:, :, piece])
 
     def add(self, rows: slice, part_out: torch.Tensor, part_lse: torch.Tensor) -> None:
@@ -85,6 +84,6 @@ class IndexedResult:
 def running_result(q: torch.Tensor, v: torch.Tensor, calls):
     """The result that the outputs of ``calls`` merge into: by index where some call's rows lie in
     several parts (packed documents), else part by part."""
-    if any(len(call.q_parts) > 1 for call in calls):
+    if by_index(calls, "q"):
         return IndexedResult(q, v)
     return MergedResult(q, v, [rows for call in calls for rows in call.q_parts])

@@ -14,15 +14,23 @@ import torch
 from . import device_copies
 
 
-def within(rows: slice, span: slice) -> slice:
-    """``rows`` counted from the start of ``span``, the rows a call's results hold."""
-    return slice(rows.start - span.start, rows.stop - span.start)
-
-
 def call_rows(call, side: str) -> tuple[tuple[slice, ...], slice]:
     """(the parts, the span) of a kernel call's ``side``: "q", the query rows it gives results
     for, or "k", the key rows it gives gradients for."""
     return (call.q_parts, call.q_rows) if side == "q" else (call.k_parts, call.k_rows)
+
+
+def call_pieces(call, side: str) -> list[tuple[slice, slice]]:
+    """For each part of a call's ``side`` (``call_rows``): (its rows, the same rows counted from the
+    span's start, where the call's results hold them)."""
+    parts, span = call_rows(call, side)
+    return [(rows, slice(rows.start - span.start, rows.stop - span.start)) for rows in parts]
+
+
+def by_index(calls, side: str) -> bool:
+    """Whether the results or gradients of ``calls`` are updated by index (``rows_on_device``):
+    where some call's ``side`` rows lie in several parts (packed documents)."""
+    return any(len(call_rows(call, side)[0]) > 1 for call in calls)
 
 
 def rows_on_device(call, side: str, device) -> torch.Tensor:
