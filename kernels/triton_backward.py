@@ -19,9 +19,9 @@ import triton.language as tl
 
 from .launch_math import cdiv
 from .triton_tiles import (LOG2E, autotune, capped, document_rows, document_tiles, dot_precision, head_blocks,
-                           head_start, key_walk, launch, load_rows, mask_args, padding_bounds, position_mask,
-                           query_block, real_keys, seq_bucket, sequence, short_walk, store_tile, tile_ranges,
-                           walk_rows, walk_tile, walked)
+                           head_start, key_walk, launch, load_rows, mask_args, padding_bounds, pays_host_walk,
+                           position_mask, query_block, real_keys, seq_bucket, sequence, short_walk, store_tile,
+                           tile_ranges, walk_rows, walk_tile, walked)
 
 
 @triton.jit
@@ -249,13 +249,14 @@ def _dkdv_kernel(Q, K, V, DO, Lse, Delta, GradK, GradV, cu_seqlens_q, cu_seqlens
                    keys_ok, d_v, D_V, BLOCK_DV)
 
 
-def own_walks(varlen, short, wide):
+def own_walks(varlen, short, wide, pays_host):
     """Whether the backward's programs make their own descriptors for the tiles they walk (K and
     V in the dQ kernel, Q and dO in the dK/dV kernel) rather than read ``walked`` ones made on
-    the host: always, but for the short walks (windows) of head tiles at most 256 wide together.
-    There the host's were 2-6% faster; on long walks they cost up to 9%, and wide tiles lost on
-    a window too (GQA+MLA 192/128: 3%; BENCHMARKS.md)."""
-    return varlen or not short or wide
+    the host: always, but for the short walks (windows) of head tiles at most 256 wide together,
+    in launches long enough to repay the host's time (``pays_host``, ``pays_host_walk``). There
+    the host's were 2-6% faster; on long walks they cost up to 9%, and wide tiles lost on a
+    window too (GQA+MLA 192/128: 3%; BENCHMARKS.md)."""
+    return varlen or not short or wide or not pays_host
 
 
 def split_grads(d_qk, d_v):
@@ -293,7 +294,8 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, ma
     varlen = cu_seqlens_q is not None
     delta = torch.empty(1 if varlen else batch, h_q, s_q, dtype=torch.float32, device=q.device).expand(batch, h_q, s_q)
     short = short_walk(before, after)
-    own = own_walks(varlen, short, head_blocks(d_qk) + head_blocks(d_v) > 256)
+    own = own_walks(varlen, short, head_blocks(d_qk) + head_blocks(d_v) > 256,
+                    pays_host_walk(batch, h_q, max_seqlen_q, max_seqlen_k, before, after, d_qk, d_v))
     common = dict(D_QK=d_qk, D_V=d_v, BLOCK_DQK=head_blocks(d_qk), BLOCK_DV=head_blocks(d_v), VARLEN=varlen,
                   HAS_KEY_PADDING=key_padding_mask is not None, HAS_DOCUMENTS=document_ids is not None,
                   SOFTCAP=softcap > 0, PRECISION=dot_precision(q.dtype), SHORT_WALK=short, OWN_WALK=own,

@@ -8,8 +8,9 @@ Packed documents in a dense batch (``document_args``) AND a same-document test i
 tiles and narrow the tiles a block visits to its rows' documents.
 
 The tile loops read through tensor descriptors (TMA on Hopper, ``walk_rows``): for a dense
-(B, H, S, D) tensor one made on the host (``walked``); for packed varlen documents, and in the
-backward's long walks, one that each program makes over its rows.
+(B, H, S, D) tensor in a launch long enough to repay it (``pays_host_walk``), one made on the host
+(``walked``); for packed varlen documents, shorter launches and the backward's long walks, one
+that each program makes over its rows.
 """
 import contextvars
 import logging
@@ -302,11 +303,28 @@ def walk_tile(rows, start, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, OWN:
         return desc.load([batch, head, start, 0]).reshape([BLOCK_ROWS, BLOCK_D])
 
 
+# Descriptors made on the host (``walked``) cost about 80 µs of host time a launch (Triton encodes
+# each at every launch) and saved the kernels 1.5-6% of their time: that repays them on launches of
+# a millisecond or more (5e11 FLOPs by ``pays_host_walk``'s count is 1-2 ms of these kernels), while
+# a shorter call is bound by its host time and its programs make their own. One H200, the
+# Mistral-shaped packed attention of `bench models` at 4096 (1.4e11 a launch): fwd+bwd 2.016 to
+# 1.922 ms, host time 2065 to 1942 µs, GPU time 1131 to 1178 µs; at 8192 within 1% (BENCHMARKS.md).
+HOST_WALK_FLOPS = 5e11
+
+
+def pays_host_walk(batch, heads, s_q, s_k, before, after, d_qk, d_v) -> bool:
+    """Whether a launch over ``heads`` query heads, each row seeing at most ``before + after + 1``
+    of ``s_k`` keys, does at least ``HOST_WALK_FLOPS`` of forward work."""
+    reach = min(s_k, before + after + 1)
+    return 2.0 * batch * heads * s_q * reach * (d_qk + d_v) >= HOST_WALK_FLOPS
+
+
 def walked(x, own):
     """A kernel's argument for a tensor its tile loop reads (``walk_rows``): for a dense (B, H, S, D)
     tensor with 16-byte aligned strides and start, one descriptor made here, so that no program
-    makes its own; ``autotune`` sets its block shape. With ``own`` (packed documents, or a walk
-    where the programs' own descriptors measured faster), the tensor itself.
+    makes its own; ``autotune`` sets its block shape. With ``own`` (packed documents, a launch
+    too short to repay it, or a walk where the programs' own descriptors measured faster), the
+    tensor itself.
     One descriptor from the host made the forward 1.5-2.5% faster on causal attention and 5% on a
     1024 window, for about 80 µs more host time per call. In the backward it gained on windows
     but cost the dK/dV kernel up to 9% on long walks (GQA+MLA, document ids), hence

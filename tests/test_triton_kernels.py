@@ -22,7 +22,7 @@ if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton", reason="the Triton kernels need the triton package")
 
-from attn_compile.kernels import reference, triton_attention as ta, triton_backward  # noqa: E402
+from attn_compile.kernels import reference, triton_attention as ta, triton_backward, triton_forward, triton_tiles  # noqa: E402
 from attn_compile.kernels.documents import same_document_mask  # noqa: E402
 from attn_compile.kernels.launch_math import cdiv, next_power_of_2  # noqa: E402
 from attn_compile.kernels.problem import Problem  # noqa: E402
@@ -103,6 +103,48 @@ def test_dk_and_dv_from_separate_launches(case, monkeypatch):
     else:
         heads, s_q, s_k, masking = CASES[case]
         _check(heads, s_q, s_k, batch=2, **masking)
+
+
+def _record_walks(monkeypatch) -> list:
+    """The ``own`` of every ``walked`` call the forward and backward make, in order."""
+    owns = []
+    for module in (triton_forward, triton_backward):
+        def recording(x, own, walked=module.walked):
+            owns.append(own)
+            return walked(x, own)
+        monkeypatch.setattr(module, "walked", recording)
+    return owns
+
+
+@pytest.mark.parametrize("case", ["mha-full", "causal-window", "ring-step-softcap", "key-padding", "document-ids"])
+def test_descriptors_made_on_the_host(case, monkeypatch):
+    """Launches long enough to repay descriptors made on the host (``pays_host_walk``; every
+    launch here, its threshold at 0) read their walked tiles through them: the forward's K and V,
+    and on windows the backward's too."""
+    monkeypatch.setattr(triton_tiles, "HOST_WALK_FLOPS", 0)
+    owns = _record_walks(monkeypatch)
+    torch.manual_seed(5)
+    if case == "key-padding":
+        _check("gqa", 40, 40, batch=2, is_causal=True, window=(9, 0), key_padding_mask=_key_padding(2, 40, left=7, right=5))
+    elif case == "document-ids":
+        _check_documents("gqa", DOCUMENT_IDS["runs"], is_causal=True, window=(9, 0))
+    else:
+        heads, s_q, s_k, masking = CASES[case]
+        _check(heads, s_q, s_k, batch=2, **masking)
+    window = case != "mha-full" and case != "ring-step-softcap"
+    # two walked tensors a launch: the forward's, the dQ kernel's, the dK/dV kernel's
+    assert owns == [False] * 2 + [not window] * 4, owns
+
+
+def test_short_launches_make_their_own_descriptors(monkeypatch):
+    """A launch below ``HOST_WALK_FLOPS`` is bound by its host time: its programs make their own
+    descriptors, whose encoding costs the host nothing."""
+    owns = _record_walks(monkeypatch)
+    torch.manual_seed(6)
+    _check("gqa", 48, 48, batch=2, is_causal=True, window=(10, 0))
+    assert owns == [True] * 6
+    assert not triton_tiles.pays_host_walk(2, 32, 4096, 4096, 1023, 0, 128, 128)  # a Mistral-shaped layer
+    assert triton_tiles.pays_host_walk(1, 32, 8192, 8192, triton_tiles.UNBOUNDED, 0, 128, 128)  # causal, 8192
 
 
 def test_float16():
