@@ -305,10 +305,11 @@ def walk_tile(rows, start, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, OWN:
 
 # Descriptors made on the host (``walked``) cost about 80 µs of host time a launch (Triton encodes
 # each at every launch) and saved the kernels 1.5-6% of their time: that repays them on launches of
-# a millisecond or more (5e11 FLOPs by ``pays_host_walk``'s count is 1-2 ms of these kernels), while
-# a shorter call is bound by its host time and its programs make their own. One H200, the
-# Mistral-shaped packed attention of `bench models` at 4096 (1.4e11 a launch): fwd+bwd 2.016 to
-# 1.922 ms, host time 2065 to 1942 µs, GPU time 1131 to 1178 µs; at 8192 within 1% (BENCHMARKS.md).
+# about a millisecond or more (5e11 FLOPs by ``pays_host_walk``'s count, which counts a causal
+# square whole: 0.6-1.7 ms of these kernels at 300-450 TFLOP/s), while a shorter call is bound by
+# its host time and its programs make their own. One H200, the Mistral-shaped packed attention of
+# `bench models` at 4096 (1.4e11 a launch): fwd+bwd 2.016 to 1.922 ms, host time 2065 to 1942 µs,
+# GPU time 1131 to 1178 µs; at 8192 within 1% (BENCHMARKS.md).
 HOST_WALK_FLOPS = 5e11
 
 
