@@ -41,11 +41,13 @@ def autotune(small, large, key, walk_block=None):
     (``dot_precision``) run on the CUDA cores and compile slowly: they get the first float32
     configuration alone instead of a tuning run over all of them. One small configuration
     when interpreting, so the CPU tests cross several tiles. The kernel's first argument must be
-    Q (a tensor or its ``walked`` descriptor), and it takes the PRECISION and SHORT_WALK
-    constexprs and the ``seq_bucket`` int, which join the key. ``walk_block``: the tile rows of
-    its walk; each configuration sets the block shapes of the ``walked`` descriptors among its
-    arguments before it runs (``launch`` does it for a pick)."""
-    key = [*key, "PRECISION", "SHORT_WALK", "seq_bucket"]
+    Q (a tensor or its ``walked`` descriptor), and it takes the PRECISION, SHORT_WALK and
+    OWN_WALK constexprs and the ``seq_bucket`` int, which join the key: a pick is compiled, checked
+    and timed for the descriptors it reads through (``pays_host_walk`` gives calls of one length
+    either kind). ``walk_block``: the tile rows of its walk; each configuration sets the block
+    shapes of the ``walked`` descriptors among its arguments before it runs (``launch`` does it
+    for a pick)."""
+    key = [*key, "PRECISION", "SHORT_WALK", "OWN_WALK", "seq_bucket"]
 
     def set_block_shapes(nargs):
         shape_walks(nargs.values(), nargs[walk_block])

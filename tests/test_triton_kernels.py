@@ -610,6 +610,21 @@ def test_windows_are_tuned_apart_from_long_walks():
         assert {"PRECISION", "SHORT_WALK"} <= set(kernel.keys), kernel
 
 
+def test_each_kind_of_descriptor_is_tuned_apart(monkeypatch):
+    """Calls of one length may read their tiles through the host's descriptors or their own
+    (``pays_host_walk``): each kind gets a pick compiled and checked for it."""
+    for kernel in (_forward_kernel, _dq_kernel, _dkdv_kernel):
+        assert "OWN_WALK" in kernel.keys, kernel
+    torch.manual_seed(7)
+    _PICKS.clear()
+    _check("gqa", 48, 48, batch=2, is_causal=True, window=(10, 0))
+    monkeypatch.setattr(triton_tiles, "HOST_WALK_FLOPS", 0)
+    _check("gqa", 48, 48, batch=2, is_causal=True, window=(10, 0))
+    for kernel in (_forward_kernel, _dq_kernel, _dkdv_kernel):
+        owns = {key[1 + kernel.keys.index("OWN_WALK")] for key in _PICKS if key[0] is kernel}
+        assert owns == {True, False}, (kernel, owns)
+
+
 def test_lengths_are_tuned_by_powers_of_two():
     """Tiles tuned on a short first call are not kept for long ones: the longer sequence, rounded
     up to a power of two, is part of every kernel's autotuning key."""
