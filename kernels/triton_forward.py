@@ -3,8 +3,9 @@ online softmax over the key tiles the mask leaves, output and LSE written once.
 
 Tensors come as (B, H, S, D) views with a unit last stride; K and V, which the key loop reads
 through tensor descriptors (``triton_tiles.walk_rows``: the host's where the launch repays them,
-``pays_host_walk``, else each program's own), with 16-byte aligned other strides and start. For packed varlen inputs B counts documents, the batch stride is 0, and ``cu_seqlens``
-gives each document's rows.
+``pays_host_walk``, else each program's own), with 16-byte aligned other strides and start. For
+packed varlen inputs B counts documents, the batch stride is 0, and ``cu_seqlens`` gives each
+document's rows.
 A dense call may add a (B, S_k) uint8 key padding mask, nonzero for a real key, with each
 sequence's ``padding_bounds``: key tiles after the last real key are skipped, and tiles before the
 first padded key run without loading the mask. With KEYED_ONLY a sequence with no real key is not

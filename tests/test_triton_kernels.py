@@ -22,7 +22,8 @@ if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton", reason="the Triton kernels need the triton package")
 
-from attn_compile.kernels import reference, triton_attention as ta, triton_backward, triton_forward, triton_tiles  # noqa: E402
+from attn_compile.kernels import reference, triton_backward, triton_forward, triton_tiles  # noqa: E402
+from attn_compile.kernels import triton_attention as ta  # noqa: E402
 from attn_compile.kernels.documents import same_document_mask  # noqa: E402
 from attn_compile.kernels.launch_math import cdiv, next_power_of_2  # noqa: E402
 from attn_compile.kernels.problem import Problem  # noqa: E402
@@ -125,7 +126,8 @@ def test_descriptors_made_on_the_host(case, monkeypatch):
     owns = _record_walks(monkeypatch)
     torch.manual_seed(5)
     if case == "key-padding":
-        _check("gqa", 40, 40, batch=2, is_causal=True, window=(9, 0), key_padding_mask=_key_padding(2, 40, left=7, right=5))
+        padding = _key_padding(2, 40, left=7, right=5)
+        _check("gqa", 40, 40, batch=2, is_causal=True, window=(9, 0), key_padding_mask=padding)
     elif case == "document-ids":
         _check_documents("gqa", DOCUMENT_IDS["runs"], is_causal=True, window=(9, 0))
     else:
