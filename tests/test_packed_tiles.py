@@ -107,7 +107,7 @@ def _run_steps(sharding, is_causal, window, strategy, counts, seed=0, ends_align
         plans = [plan_calls(sharding.chunks(rank), keys(rank, s)[0], is_causal, window, ends_aligned)
                  for s in sources[rank]]
         # as the ring of more than two steps sums them: by index where a call has several parts
-        summed = (lambda x, calls, side: gradient_sum(x, calls, side)) if strategy == "ring" else \
+        summed = gradient_sum if strategy == "ring" else \
             (lambda x, calls, side: GradSum(x, q_parts(calls) if side == "q" else k_parts(calls)))
         dq = summed(shard(q, rank), [call for plan in plans for call in plan], "q")
         for plan, plan_source in zip(plans, sources[rank]):

@@ -618,12 +618,13 @@ def test_each_kind_of_descriptor_is_tuned_apart(monkeypatch):
     for kernel in (_forward_kernel, _dq_kernel, _dkdv_kernel):
         assert "OWN_WALK" in kernel.keys, kernel
     torch.manual_seed(7)
-    _PICKS.clear()
+    picks = {}
+    monkeypatch.setattr(triton_tiles, "_PICKS", picks)
     _check("gqa", 48, 48, batch=2, is_causal=True, window=(10, 0))
     monkeypatch.setattr(triton_tiles, "HOST_WALK_FLOPS", 0)
     _check("gqa", 48, 48, batch=2, is_causal=True, window=(10, 0))
     for kernel in (_forward_kernel, _dq_kernel, _dkdv_kernel):
-        owns = {key[1 + kernel.keys.index("OWN_WALK")] for key in _PICKS if key[0] is kernel}
+        owns = {key[1 + kernel.keys.index("OWN_WALK")] for key in picks if key[0] is kernel}
         assert owns == {True, False}, (kernel, owns)
 
 

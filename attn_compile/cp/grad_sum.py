@@ -82,9 +82,9 @@ class IndexedGradSum:
     def __init__(self, like: torch.Tensor, dtype=None):
         self._like, self._dtype = like, like.dtype if dtype is None else dtype
         running = torch.promote_types(self._dtype, torch.float32)
-        self._sum = torch.zeros_like(like, dtype=running)
-        if self._sum.stride(-1) != 1:  # the fused sum reads and writes rows of unit stride
-            self._sum = torch.zeros(like.shape, dtype=running, device=like.device)
+        # the fused sum reads and writes rows of unit stride
+        self._sum = (torch.zeros_like(like, dtype=running) if like.stride(-1) == 1 else
+                     torch.zeros(like.shape, dtype=running, device=like.device))
         self._result = None
 
     def add_call(self, call, side: str, grad: torch.Tensor) -> None:
